@@ -1,0 +1,436 @@
+"""LazyKernel against a dense oracle built independently of the code under test.
+
+The oracles are NumPy float64 twins of the test kernels, evaluated pair by
+pair into a full matrix; gradients are checked against ``jax.grad`` of the
+same loss on a dense matrix built by broadcasting (no blocks, no loop).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lazy_kernel import RBF, LazyKernel, kernel_block
+
+# -- test kernels and their NumPy twins ---------------------------------------
+
+
+def skewed(x, y):
+    """A kernel with k(x, y) != k(y, x)."""
+    return jnp.exp(-0.5 * jnp.sum((x - y) ** 2)) * (1.5 + jnp.sin(x[0]))
+
+
+def skewed_np(x, y):
+    return np.exp(-0.5 * np.sum((x - y) ** 2)) * (1.5 + np.sin(x[0]))
+
+
+def scaled_laplace(x, y, scale):
+    return jnp.exp(-jnp.sum(jnp.abs(x - y)) / scale)
+
+
+def rbf_np(x, y, lengthscale=0.8, variance=1.7):
+    return variance * np.exp(-0.5 * np.sum(((x - y) / lengthscale) ** 2))
+
+
+KERNELS = {
+    "rbf-pytree": (RBF(0.8, 1.7), rbf_np),
+    "skewed-function": (skewed, skewed_np),
+    "laplace-partial": (
+        functools.partial(scaled_laplace, scale=1.3),
+        lambda x, y: np.exp(-np.sum(np.abs(x - y)) / 1.3),
+    ),
+}
+
+
+def dense_oracle(kernel_np, x1, x2):
+    """K[i, j] = kernel_np(x1[i], x2[j]) in float64, one pair at a time."""
+    x1, x2 = np.asarray(x1, np.float64), np.asarray(x2, np.float64)
+    return np.array([[kernel_np(a, b) for b in x2] for a in x1]).reshape(len(x1), len(x2))
+
+
+def rbf_dense_jnp(x1, x2, lengthscale, variance):
+    """The dense RBF matrix by broadcasting: the gradient oracle."""
+    return variance * jnp.exp(-0.5 * jnp.sum(((x1[:, None] - x2[None]) / lengthscale) ** 2, -1))
+
+
+def rtol(dtype):
+    return 1e-5 if jnp.dtype(dtype) == jnp.float32 else 1e-11
+
+
+def assert_close(actual, expected, dtype, scale=None):
+    """|actual - expected| <= rtol * scale elementwise, scale defaulting to max|expected| (at least 1)."""
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    if scale is None:
+        scale = max(1.0, np.abs(expected).max(initial=0.0))
+    np.testing.assert_array_less(np.abs(actual - expected), rtol(dtype) * scale + 1e-300)
+
+
+def transpose(a):
+    """Swap the last two axes (a no-op on vectors), as matmul's transpose rules need."""
+    return a if a.ndim == 1 else a.swapaxes(-1, -2)
+
+
+def points(rng, n, dim, dtype):
+    return jnp.asarray(rng.normal(size=(n, dim)), dtype)
+
+
+# -- products against the oracle ----------------------------------------------
+
+OPERAND_SHAPES = {  # rank -> (right operand shape, left operand shape) given K's (M, N)
+    1: lambda m, n: ((n,), (m,)),
+    2: lambda m, n: ((n, 3), (2, m)),
+    3: lambda m, n: ((2, n, 3), (2, 3, m)),
+    4: lambda m, n: ((2, 1, n, 2), (1, 2, 2, m)),
+}
+
+
+@given(
+    m=st.integers(0, 40),
+    n=st.integers(0, 40),
+    dim=st.integers(1, 4),
+    kernel_name=st.sampled_from(sorted(KERNELS)),
+    rank=st.sampled_from(sorted(OPERAND_SHAPES)),
+    dtype=st.sampled_from([jnp.float32, jnp.float64]),
+    batch_size=st.one_of(st.none(), st.integers(1, 50)),
+    max_memory_mb=st.sampled_from([0, 2e-4, 1e-3, 2**10]),
+    checkpoint=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_products_match_dense(m, n, dim, kernel_name, rank, dtype, batch_size, max_memory_mb, checkpoint, seed, device):
+    rng = np.random.default_rng(seed)
+    kernel, kernel_np = KERNELS[kernel_name]
+    x1, x2 = points(rng, m, dim, dtype), points(rng, n, dim, dtype)
+    op = LazyKernel(kernel, x1, x2, max_memory_mb=max_memory_mb, batch_size=batch_size, checkpoint=checkpoint)
+    dense = dense_oracle(kernel_np, x1, x2)
+    right_shape, left_shape = OPERAND_SHAPES[rank](m, n)
+    right = jnp.asarray(rng.normal(size=right_shape), dtype)
+    left = jnp.asarray(rng.normal(size=left_shape), dtype)
+
+    product = op @ right
+    assert product.devices() == {device}
+    assert_close(product, dense @ np.asarray(right, np.float64), dtype, scale=max(1, n))
+    assert_close(left @ op, np.asarray(left, np.float64) @ dense, dtype, scale=max(1, m))
+    assert_close(op.T @ transpose(left), transpose(np.asarray(left, np.float64) @ dense), dtype, scale=max(1, m))
+
+
+@pytest.mark.parametrize("kernel_name", sorted(KERNELS))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_transpose_dense_and_diagonal(kernel_name, dtype, device):
+    rng = np.random.default_rng(0)
+    kernel, kernel_np = KERNELS[kernel_name]
+    x1, x2 = points(rng, 13, 3, dtype), points(rng, 8, 3, dtype)
+    op = LazyKernel(kernel, x1, x2, batch_size=3)
+    dense = dense_oracle(kernel_np, x1, x2)
+    assert_close(op.to_dense(), dense, dtype)
+    assert_close(op.T.to_dense(), dense.T, dtype)
+    assert_close(op.diagonal(), np.diag(dense), dtype)
+    assert_close(op.T.diagonal(), np.diag(dense), dtype)
+    assert op.to_dense().devices() == {device}
+    assert op.T.shape == (8, 13) and op.T.T.kernel is kernel and op.T.T.x1 is x1
+    for result in (op.to_dense(), op.diagonal(), op @ jnp.ones(8, dtype)):
+        assert result.dtype == dtype
+
+
+def test_nonsymmetric_transpose_is_not_the_original():
+    rng = np.random.default_rng(1)
+    x = points(rng, 9, 2, jnp.float64)
+    op = LazyKernel(skewed, x, x, batch_size=4)
+    dense = dense_oracle(skewed_np, x, x)
+    assert np.abs(dense - dense.T).max() > 0.1  # the test kernel really is non-symmetric
+    v = np.random.default_rng(2).normal(size=9)
+    assert_close(op.T @ v, dense.T @ v, jnp.float64)
+    assert_close(v @ op, v @ dense, jnp.float64)
+
+
+@pytest.mark.parametrize("block", [1, 2, 5, 7, 23, 24, 100])
+def test_blocks_cover_every_row_exactly_once(block):
+    """The loop computes full blocks and one exact remainder; nothing is padded or dropped."""
+    seen = []
+
+    class Recording:
+        def __call__(self, x, y):
+            return jnp.exp(-jnp.sum((x - y) ** 2))
+
+        def cross_covariance(self, a, b):
+            seen.append(a.shape[0])
+            return jax.vmap(jax.vmap(self, (None, 0)), (0, None))(a, b)
+
+    rng = np.random.default_rng(3)
+    x1, x2 = points(rng, 23, 2, jnp.float64), points(rng, 6, 2, jnp.float64)
+    op = LazyKernel(Recording(), x1, x2, batch_size=block)
+    seen.clear()
+    v = rng.normal(size=6)
+    np.testing.assert_allclose(op @ v, dense_oracle(lambda a, b: np.exp(-np.sum((a - b) ** 2)), x1, x2) @ v, rtol=1e-12)
+    full, rest = divmod(23, block)
+    assert seen == [block] * (full > 0) + [rest] * (rest > 0)
+    assert max(seen) <= op.batch_size_row == block
+
+
+# -- sizes and settings --------------------------------------------------------
+
+
+@given(
+    m=st.integers(0, 5000),
+    n=st.integers(0, 5000),
+    max_memory_mb=st.one_of(st.integers(0, 4096), st.floats(0, 64)),
+    batch_size=st.one_of(st.none(), st.integers(1, 10_000)),
+    dtype=st.sampled_from([jnp.float32, jnp.float64, jnp.float16]),
+)
+def test_batch_size_arithmetic_is_the_seeds(m, n, max_memory_mb, batch_size, dtype):
+    op = LazyKernel(
+        RBF(), jnp.zeros((m, 2), dtype), jnp.zeros((n, 2), dtype), max_memory_mb=max_memory_mb, batch_size=batch_size
+    )
+    itemsize = jnp.dtype(dtype).itemsize
+    assert op.dtype == dtype and op.shape == (m, n)
+    assert op.max_elements == int(max_memory_mb * 2**20) // itemsize
+    if batch_size is None:
+        assert op.batch_size_row == (max(1, op.max_elements // n) if n else max(1, op.max_elements))
+        assert op.batch_size_col == (max(1, op.max_elements // m) if m else max(1, op.max_elements))
+    else:
+        assert op.batch_size_row == op.batch_size_col == batch_size
+    assert 1 <= op.block_rows <= op.batch_size_row and 1 <= op.block_cols <= op.batch_size_col
+    if batch_size is not None:
+        assert op.block_rows == min(batch_size, max(m, 1)) and op.block_cols == min(batch_size, max(n, 1))
+    if batch_size is None and op.max_elements >= max(n, 1) * max(m, 1):
+        assert op.block_rows * n <= op.max_elements
+
+
+def test_constructor_keeps_what_was_passed():
+    x1, x2 = np.zeros((4, 2), np.float32), jnp.zeros((5, 2), jnp.float32)
+    kernel = RBF()
+    op = LazyKernel(kernel, x1, x2, max_memory_mb=0.5, batch_size=3, checkpoint=True)
+    assert op.kernel is kernel and op.x1 is x1 and op.x2 is x2
+    assert (op.max_memory_mb, op.batch_size, op.checkpoint) == (0.5, 3, True)
+    assert op.shape == (4, 5) and op.dtype == jnp.float32
+    text = repr(op)
+    assert "shape=(4, 5)" in text and "block_rows=3" in text and "RBF" in text
+
+
+@pytest.mark.parametrize("m, n", [(0, 5), (5, 0), (0, 0)])
+def test_empty_inputs_behave_like_the_dense_matrix(m, n):
+    x1, x2 = jnp.zeros((m, 2)), jnp.ones((n, 2))
+    op = LazyKernel(RBF(), x1, x2, batch_size=2)
+    dense = np.zeros((m, n))
+    for right in (np.ones(n), np.ones((n, 3)), np.ones((2, n, 3))):
+        np.testing.assert_array_equal(op @ right, dense @ right)
+    for left in (np.ones(m), np.ones((3, m)), np.ones((2, 3, m))):
+        np.testing.assert_array_equal(left @ op, left @ dense)
+    assert op.to_dense().shape == (m, n) and op.diagonal().shape == (0,) and op.T.shape == (n, m)
+
+
+# -- operands: kinds and dtypes -----------------------------------------------
+
+
+def test_numpy_and_jax_operands_on_either_side():
+    rng = np.random.default_rng(4)
+    x1, x2 = rng.normal(size=(7, 2)), rng.normal(size=(5, 2))
+    op = LazyKernel(RBF(0.8, 1.7), x1, x2, batch_size=2)
+    dense = dense_oracle(rbf_np, x1, x2)
+    v_np, w_np = rng.normal(size=5), rng.normal(size=(3, 7))
+    for v in (v_np, jnp.asarray(v_np), v_np.tolist()):
+        assert_close(op @ v, dense @ v_np, jnp.float64)
+    for w in (w_np, jnp.asarray(w_np)):
+        result = w @ op  # a NumPy array on the left must defer, not convert the operator
+        assert isinstance(result, jax.Array)
+        assert_close(result, w_np @ dense, jnp.float64)
+    assert_close(jax.jit(lambda w: w @ op)(w_np), w_np @ dense, jnp.float64)  # a tracer on the left
+
+
+@pytest.mark.parametrize("kernel_dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize("operand_dtype", [jnp.float32, jnp.float64, jnp.int32, jnp.bfloat16])
+def test_result_dtype_follows_jnp_matmul(kernel_dtype, operand_dtype):
+    x = jnp.linspace(0, 1, 8, dtype=kernel_dtype).reshape(4, 2)
+    op = LazyKernel(RBF(), x, x)
+    v = jnp.ones((4, 2), operand_dtype)
+    dense = rbf_dense_jnp(x, x, 1.0, 1.0)
+    assert (op @ v).dtype == jnp.matmul(dense, v).dtype
+    assert (v.T @ op).dtype == jnp.matmul(v.T, dense).dtype
+
+
+# -- transformations ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kernel_name", sorted(KERNELS))
+def test_jit_and_vmap_with_every_kernel_kind(kernel_name):
+    rng = np.random.default_rng(5)
+    kernel, kernel_np = KERNELS[kernel_name]
+    x1, x2 = points(rng, 9, 2, jnp.float64), points(rng, 6, 2, jnp.float64)
+    op = LazyKernel(kernel, x1, x2, batch_size=4)
+    dense = dense_oracle(kernel_np, x1, x2)
+    vs = rng.normal(size=(3, 6))
+    assert_close(jax.jit(lambda op, v: op @ v)(op, vs[0]), dense @ vs[0], jnp.float64)
+    ws = rng.normal(size=(2, 9))
+    assert_close(jax.jit(lambda op, w: w @ op)(op, ws), ws @ dense, jnp.float64)
+    assert_close(jax.vmap(lambda v: op @ v)(vs), vs @ dense.T, jnp.float64)
+    x1s = points(rng, 2 * 9, 2, jnp.float64).reshape(2, 9, 2)
+    batched = jax.vmap(lambda x1, v: LazyKernel(kernel, x1, x2, batch_size=4) @ v)(x1s, vs[:2])
+    for i in range(2):
+        assert_close(batched[i], dense_oracle(kernel_np, x1s[i], x2) @ vs[i], jnp.float64)
+    stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), op, op)  # a batch of operators
+    if not jax.tree_util.tree_leaves(op.kernel):  # vmap over every leaf: kernels without hyperparameters
+        assert_close(jax.vmap(lambda op, v: op @ v)(stacked, vs[:2]), vs[:2] @ dense.T, jnp.float64)
+
+
+def test_pytree_leaves_are_the_arrays():
+    x1, x2 = jnp.zeros((3, 2)), jnp.zeros((4, 2))
+    kernel = RBF(jnp.array([1.0, 2.0]), 3.0)
+    leaves = jax.tree_util.tree_leaves(LazyKernel(kernel, x1, x2, batch_size=2))
+    assert len(leaves) == 4 and all(isinstance(leaf, jax.Array) for leaf in leaves)
+    assert jax.tree_util.tree_leaves(LazyKernel(skewed, x1, x2)) == [x1, x2]
+    rebuilt = jax.tree_util.tree_map(lambda a: a + 1, LazyKernel(kernel, x1, x2, batch_size=2))
+    assert rebuilt.batch_size == 2 and float(rebuilt.kernel.variance) == 4.0 and rebuilt.kernel(x1[0], x1[0]) == 4.0
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_gradients_match_dense(checkpoint, side):
+    rng = np.random.default_rng(6)
+    x1, x2 = points(rng, 11, 3, jnp.float64), points(rng, 7, 3, jnp.float64)
+    lengthscale, variance = jnp.array([0.7, 1.1, 0.9]), jnp.array(1.3)
+    v = jnp.asarray(rng.normal(size=(7, 2)) if side == "right" else rng.normal(size=(2, 11)))
+    weights = jnp.asarray(rng.normal(size=(11, 2) if side == "right" else (2, 7)))
+
+    def lazy_loss(x1, x2, v, lengthscale, variance):
+        op = LazyKernel(RBF(lengthscale, variance), x1, x2, batch_size=3, checkpoint=checkpoint)
+        return jnp.sum(weights * jnp.sin(op @ v if side == "right" else v @ op))
+
+    def dense_loss(x1, x2, v, lengthscale, variance):
+        dense = rbf_dense_jnp(x1, x2, lengthscale, variance)
+        return jnp.sum(weights * jnp.sin(dense @ v if side == "right" else v @ dense))
+
+    args = (x1, x2, v, lengthscale, variance)
+    lazy = jax.grad(lazy_loss, argnums=range(5))(*args)
+    dense = jax.grad(dense_loss, argnums=range(5))(*args)
+    for got, want in zip(lazy, dense, strict=True):
+        assert_close(got, want, jnp.float64)
+    jitted = jax.jit(jax.grad(lazy_loss, argnums=range(5)))(*args)
+    for got, want in zip(jitted, dense, strict=True):
+        assert_close(got, want, jnp.float64)
+
+
+def test_gradient_through_an_operator_argument():
+    rng = np.random.default_rng(7)
+    x1, x2 = points(rng, 6, 2, jnp.float64), points(rng, 5, 2, jnp.float64)
+    v = jnp.asarray(rng.normal(size=5))
+    op = LazyKernel(RBF(jnp.array(0.9), jnp.array(1.2)), x1, x2, batch_size=2, checkpoint=True)
+    grads = jax.jit(jax.grad(lambda op: jnp.sum((op @ v) ** 2)))(op)
+    dense = jax.grad(lambda x1, x2, ls, var: jnp.sum((rbf_dense_jnp(x1, x2, ls, var) @ v) ** 2), argnums=range(4))(
+        x1, x2, jnp.array(0.9), jnp.array(1.2)
+    )
+    for got, want in zip((grads.x1, grads.x2, grads.kernel.lengthscale, grads.kernel.variance), dense, strict=True):
+        assert_close(got, want, jnp.float64)
+
+
+# -- memory (XLA's own accounting) ------------------------------------------------
+
+
+def temp_bytes(f, *args):
+    return jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_forward_memory_is_one_block_not_the_matrix():
+    m = n = 4096
+    block = 256
+    x = jnp.zeros((m, 3), jnp.float32)
+    v = jnp.zeros(n, jnp.float32)
+    block_bytes = block * n * 4
+    temp = temp_bytes(lambda x, v: LazyKernel(RBF(), x, x, batch_size=block) @ v, x, v)
+    assert temp <= 1.5 * block_bytes, (temp, block_bytes)
+    temp_left = temp_bytes(lambda x, v: v @ LazyKernel(RBF(), x, x, batch_size=block), x, v)
+    assert temp_left <= 1.5 * block_bytes, (temp_left, block_bytes)
+    dense_temp = temp_bytes(lambda x, v: RBF().cross_covariance(x, x) @ v, x, v)
+    assert dense_temp >= m * n * 4  # the accounting does see a materialised matrix
+
+
+def test_checkpointed_gradient_memory_is_a_few_blocks():
+    m = n = 4096
+    block = 256
+    x = jnp.zeros((m, 3), jnp.float32)
+    v = jnp.zeros(n, jnp.float32)
+    block_bytes = block * n * 4
+
+    def grad_temp(checkpoint):
+        loss = lambda x, v: jnp.sum(LazyKernel(RBF(), x, x, batch_size=block, checkpoint=checkpoint) @ v)  # noqa: E731
+        return temp_bytes(jax.grad(loss, argnums=(0, 1)), x, v)
+
+    assert grad_temp(True) <= 4 * block_bytes, (grad_temp(True), block_bytes)
+    assert grad_temp(False) >= m * n * 4  # without checkpoint every block is stored
+
+
+# -- the reference kernel ---------------------------------------------------------
+
+
+def test_rbf_gemm_form_is_accurate_far_from_the_origin():
+    rng = np.random.default_rng(8)
+    offset = np.array([1e3, -2e3, 5e2])
+    x1 = (rng.normal(size=(50, 3)) + offset).astype(np.float32)
+    x2 = (rng.normal(size=(40, 3)) + offset).astype(np.float32)
+    kernel = RBF(jnp.float32(0.9), jnp.float32(1.5))
+    want = dense_oracle(lambda a, b: rbf_np(a, b, 0.9, 1.5), x1, x2)
+    got = kernel.cross_covariance(jnp.asarray(x1), jnp.asarray(x2))
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=1e-5 * 1.5)
+    pair = kernel_block(lambda a, b: kernel(a, b), jnp.asarray(x1), jnp.asarray(x2))
+    np.testing.assert_allclose(np.asarray(pair, np.float64), want, atol=1e-5 * 1.5)
+    assert float(kernel.cross_covariance(x1[:1], x1[:1])[0, 0]) == pytest.approx(1.5, rel=1e-6)
+
+
+# -- bad input ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, error, match",
+    [
+        ((RBF(), np.zeros(3), np.zeros((3, 2))), {}, ValueError, r"x1 must be 2-D.*\(3,\)"),
+        ((RBF(), np.zeros((3, 2)), np.zeros((3, 2, 1))), {}, ValueError, r"x2 must be 2-D.*\(3, 2, 1\)"),
+        ((RBF(), np.zeros((3, 2)), np.zeros((4, 3))), {}, ValueError, r"same number of features.*\(3, 2\).*\(4, 3\)"),
+        ((RBF(), [[0.0]], np.zeros((1, 1))), {}, TypeError, "x1 must be an array"),
+        ((RBF(), np.zeros((3, 2)), np.zeros((3, 2))), {"batch_size": 0}, ValueError, "batch_size.*0"),
+        ((RBF(), np.zeros((3, 2)), np.zeros((3, 2))), {"batch_size": 2.5}, ValueError, "batch_size.*2.5"),
+        ((RBF(), np.zeros((3, 2)), np.zeros((3, 2))), {"batch_size": True}, ValueError, "batch_size.*True"),
+        ((RBF(), np.zeros((3, 2)), np.zeros((3, 2))), {"max_memory_mb": -1}, ValueError, "max_memory_mb.*-1"),
+        ((RBF(), np.zeros((3, 2)), np.zeros((3, 2))), {"max_memory_mb": "1"}, ValueError, "max_memory_mb.*'1'"),
+        ((RBF(), np.zeros((3, 2)), np.zeros((3, 2))), {"max_memory_mb": float("nan")}, ValueError, "max_memory_mb"),
+        ((RBF(), np.zeros((3, 2)), np.zeros((3, 2))), {"checkpoint": 1}, TypeError, "checkpoint"),
+        (("rbf", np.zeros((3, 2)), np.zeros((3, 2))), {}, TypeError, "kernel must be callable"),
+        (
+            (lambda x, y: x - y, np.zeros((3, 2)), np.zeros((3, 2))),
+            {},
+            TypeError,
+            r"kernel\(x: \[D\], y: \[D\]\) -> scalar.*\(2,\)",
+        ),
+    ],
+)
+def test_bad_construction_is_refused(args, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        LazyKernel(*args, **kwargs)
+
+
+def test_bad_cross_covariance_is_refused():
+    class Transposing(RBF):
+        def cross_covariance(self, x1, x2):
+            return super().cross_covariance(x1, x2).T
+
+    with pytest.raises(TypeError, match=r"must return \[m, n\].*\(3, 2\)"):
+        LazyKernel(Transposing(), np.zeros((3, 2)), np.zeros((3, 2)))
+
+
+def test_bad_operands_are_refused():
+    op = LazyKernel(RBF(), np.zeros((4, 2)), np.zeros((5, 2)))
+    with pytest.raises(ValueError, match=r"0-d"):
+        op @ 2.0
+    with pytest.raises(ValueError, match=r"0-d"):
+        2.0 @ op
+    with pytest.raises(ValueError, match=r"\(4, 5\).*\(4,\).*5 columns.*4 rows"):
+        op @ np.ones(4)
+    with pytest.raises(ValueError, match=r"\(4, 5\) @ operand of shape \(2, 4, 3\).*5 columns.*4 rows"):
+        op @ np.ones((2, 4, 3))
+    with pytest.raises(ValueError, match=r"\(3, 5\).*\(4, 5\).*5 columns, K 4 rows"):
+        np.ones((3, 5)) @ op
+    with pytest.raises(TypeError, match="two LazyKernels"):
+        op @ op.T
