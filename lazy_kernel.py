@@ -164,13 +164,18 @@ def _is_array(leaf):
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
 
 
-def _mesh_axes(tree):
-    """The ``jax.shard_map`` mesh axes any array in ``tree`` varies over."""
-    typeof = getattr(jax, "typeof", None)
-    if typeof is None:  # JAX without varying-axis types: nothing to match
-        return ()
-    arrays = filter(_is_array, jax.tree_util.tree_leaves(tree))
-    return tuple(sorted(set().union(*(getattr(typeof(a), "vma", ()) for a in arrays))))
+def _zeros_varying_like(shape, dtype, tree):
+    """Zeros that, inside ``jax.shard_map``, vary over the mesh axes of every array in ``tree``.
+
+    A ``fori_loop`` carry must have the type its body returns, and inside
+    ``shard_map`` that type includes the mesh axes a value varies over. The
+    blocks vary like the inputs; plain zeros vary over none. ``lax.full_like``
+    keeps the axes of its template, and a sum varies over all of its terms'.
+    """
+    zero = jnp.zeros((), dtype)
+    for leaf in filter(_is_array, jax.tree_util.tree_leaves(tree)):
+        zero = zero + jax.lax.full_like(leaf, 0, dtype, shape=())
+    return jnp.broadcast_to(zero, shape)
 
 
 def _blockwise_matmul(kernel, rows, cols, rhs, block, checkpoint):
@@ -192,12 +197,7 @@ def _blockwise_matmul(kernel, rows, cols, rhs, block, checkpoint):
         row_block = jax.lax.dynamic_slice_in_dim(rows, start, block)
         return jax.lax.dynamic_update_slice_in_dim(out, product(row_block), start, axis=0)
 
-    out = jnp.zeros((n, rhs.shape[1]), dtype)
-    # Inside jax.shard_map the loop's carry must vary over the same mesh axes
-    # as the blocks the body writes into it; plain zeros vary over none.
-    axes = _mesh_axes((kernel, rows, cols, rhs))
-    if axes:
-        out = jax.lax.pcast(out, axes, to="varying")
+    out = _zeros_varying_like((n, rhs.shape[1]), dtype, (kernel, rows, cols, rhs))
     full_blocks, rest = divmod(n, block)
     if full_blocks:
         out = jax.lax.fori_loop(0, full_blocks, body, out)
@@ -423,6 +423,45 @@ def _median_seconds(f, *args, repeats=3):
     return float(np.median(times))
 
 
+def _shard_map():
+    """``jax.shard_map``, or its older home in ``jax.experimental``."""
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map
+    from jax.experimental.shard_map import shard_map
+
+    return shard_map
+
+
+def _products(kernel, settings, checkpoint, devices):
+    """jit-compiled ``K @ v``, ``w @ K`` and ``grad_v w.(K @ v) = K^T w``.
+
+    On several devices, each runs under ``jax.shard_map``: ``K @ v`` with the
+    rows of x1 split over the devices, ``w @ K`` with the rows of x2 split, and
+    the gradient of a ``psum``'d loss with x1 and w split.
+    """
+    lazy = lambda x1, x2, checkpoint=False: LazyKernel(kernel, x1, x2, checkpoint=checkpoint, **settings)  # noqa: E731
+    right = lambda x1, x2, v: lazy(x1, x2) @ v  # noqa: E731
+    left = lambda x1, x2, w: w @ lazy(x1, x2)  # noqa: E731
+    loss = lambda x1, x2, v, w: jnp.vdot(w, lazy(x1, x2, checkpoint) @ v)  # noqa: E731
+    if len(devices) > 1:
+        from jax.sharding import Mesh
+        from jax.sharding import PartitionSpec as P
+
+        shard_map = _shard_map()
+        mesh = Mesh(np.array(devices), ("devices",))
+        split, whole = P("devices"), P()
+        right = shard_map(right, mesh=mesh, in_specs=(split, whole, whole), out_specs=split)
+        left = shard_map(left, mesh=mesh, in_specs=(whole, split, whole), out_specs=split)
+        local_loss = loss
+        loss = shard_map(
+            lambda *a: jax.lax.psum(local_loss(*a), "devices"),
+            mesh=mesh,
+            in_specs=(split, whole, whole, split),
+            out_specs=whole,
+        )
+    return jax.jit(right), jax.jit(left), jax.jit(jax.grad(loss, argnums=2))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Check LazyKernel on this machine against dense NumPy rows.")
     parser.add_argument("--n", type=int, default=16384, help="points in x1 and in x2 (M = N)")
@@ -436,49 +475,51 @@ def main(argv=None) -> int:
         default=True,
         help="checkpoint the blocks in the gradient check",
     )
+    parser.add_argument("--devices", choices=["1", "all"], default="1", help="'all': shard over every device")
     parser.add_argument("--check", type=int, default=64, help="rows and columns compared with NumPy")
     args = parser.parse_args(argv)
     if args.dtype == "float64":
         jax.config.update("jax_enable_x64", True)
     jax.config.update("jax_default_matmul_precision", "highest")  # no TF32 rounding on GPUs
     tolerance = {"float32": 1e-4, "float64": 1e-10}[args.dtype]
+    devices = jax.devices() if args.devices == "all" else jax.devices()[:1]
+    n = args.n - args.n % len(devices)  # equal shards
+    lengthscale, variance = 0.7, 1.3
 
     rng = np.random.default_rng(0)
-    n, lengthscale, variance = args.n, 0.7, 1.3
     x1, x2 = rng.normal(size=(n, args.dim)) + 5.0, rng.normal(size=(n, args.dim)) + 5.0
     v, w = rng.normal(size=n), rng.normal(size=n)
     as_jax = lambda a: jnp.asarray(a, args.dtype)  # noqa: E731
     kernel = RBF(as_jax(lengthscale), as_jax(variance))
     settings = dict(max_memory_mb=args.max_memory_mb, batch_size=args.batch_size)
-    op = LazyKernel(kernel, as_jax(x1), as_jax(x2), **settings)
-    op_grad = LazyKernel(kernel, as_jax(x1), as_jax(x2), checkpoint=args.checkpoint, **settings)
+    right, left, grad_v = _products(kernel, settings, args.checkpoint, devices)
+    local = n // len(devices)
+    op_right = LazyKernel(kernel, as_jax(x1[:local]), as_jax(x2), **settings)  # what one device holds
+    op_left = LazyKernel(kernel, as_jax(x1), as_jax(x2[:local]), **settings)
 
-    right = jax.jit(lambda op, v: op @ v)
-    left = jax.jit(lambda op, w: w @ op)
-    grad_v = jax.jit(jax.grad(lambda v, op, w: jnp.vdot(w, op @ v)))  # = K^T w
-    cases = {
-        "K @ v": (right, (op, as_jax(v))),
-        "w @ K": (left, (op, as_jax(w))),
-        "grad_v w.(K @ v)": (grad_v, (as_jax(v), op_grad, as_jax(w))),
-    }
-
-    print(f"devices: {jax.devices()}")
+    print(f"devices: {len(devices)} x {devices[0].device_kind} ({devices[0].platform})")
     print(f"K: {n} x {n}, D = {args.dim}, {args.dtype}, RBF(lengthscale={lengthscale}, variance={variance})")
-    print(f"budget {args.max_memory_mb:g} MB: batch_size_row {op.batch_size_row}, batch_size_col {op.batch_size_col}")
-    print(f"blocks used: {op.block_rows} rows in K @ v, {op.block_cols} columns in w @ K")
+    print(
+        f"budget {args.max_memory_mb:g} MB: batch_size_row {op_right.batch_size_row}, "
+        f"batch_size_col {op_left.batch_size_col}" + (" (per device)" if len(devices) > 1 else "")
+    )
+    print(
+        f"blocks used: {op_right.block_rows} rows of {local} in K @ v, {op_left.block_cols} columns of {local} in w @ K"
+    )
 
     rows = rng.choice(n, size=min(args.check, n), replace=False)
     dense_rows = _rbf_numpy(x1[rows], x2, lengthscale, variance)  # K[rows, :]
     dense_cols = _rbf_numpy(x1, x2[rows], lengthscale, variance)  # K[:, rows]
-    expected = {
-        "K @ v": (dense_rows @ v, np.abs(dense_rows) @ np.abs(v)),
-        "w @ K": (w @ dense_cols, np.abs(w) @ np.abs(dense_cols)),
-        "grad_v w.(K @ v)": (w @ dense_cols, np.abs(w) @ np.abs(dense_cols)),
+    w_times_cols = (w @ dense_cols, np.abs(w) @ np.abs(dense_cols))
+    cases = {  # name: (function, arguments, expected values at `rows`, their error scale)
+        "K @ v": (right, (x1, x2, v), dense_rows @ v, np.abs(dense_rows) @ np.abs(v)),
+        "w @ K": (left, (x1, x2, w), *w_times_cols),
+        "grad_v w.(K @ v)": (grad_v, (x1, x2, v, w), *w_times_cols),
     }
     passed = True
-    for name, (f, f_args) in cases.items():
+    for name, (f, f_args, want, scale) in cases.items():
+        f_args = [as_jax(a) for a in f_args]
         seconds = _median_seconds(f, *f_args)
-        want, scale = expected[name]
         error = float(np.max(np.abs(np.asarray(f(*f_args), np.float64)[rows] - want) / scale))
         ok = error <= tolerance
         passed &= ok

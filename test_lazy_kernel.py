@@ -6,6 +6,10 @@ same loss on a dense matrix built by broadcasting (no blocks, no loop).
 """
 
 import functools
+import os
+import socket
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +18,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import lazy_kernel
 from lazy_kernel import RBF, LazyKernel, kernel_block
 
 # -- test kernels and their NumPy twins ---------------------------------------
@@ -434,3 +439,142 @@ def test_bad_operands_are_refused():
         np.ones((3, 5)) @ op
     with pytest.raises(TypeError, match="two LazyKernels"):
         op @ op.T
+
+
+# -- the sanity check -----------------------------------------------------------
+
+
+def test_sanity_check_passes(capsys):
+    assert lazy_kernel.main(["--n", "300", "--batch-size", "7", "--check", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "blocks used: 7 rows of 300" in out and out.rstrip().endswith("PASS")
+
+
+# -- many devices and processes: jax.shard_map --------------------------------------
+
+
+def check_sharded():
+    """``K @ v``, ``w @ K`` and gradients of a psum'd loss under ``jax.shard_map`` on every device.
+
+    Runs in a subprocess with several (virtual) CPU devices, possibly in several
+    processes; each process checks its own shards against the dense oracle.
+    """
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    jax.config.update("jax_enable_x64", True)
+    shard_map = lazy_kernel._shard_map()
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    count = len(jax.devices())
+    rng = np.random.default_rng(0)  # the same data in every process
+    x1, x2 = rng.normal(size=(5 * count, 2)), rng.normal(size=(3 * count, 2))
+    v, w = rng.normal(size=(3 * count, 2)), rng.normal(size=(2, 5 * count))
+    dense = dense_oracle(rbf_np, x1, x2)
+
+    def put(a, spec):
+        return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda index: a[index])
+
+    def check(result, expected):
+        assert result.shape == expected.shape
+        for shard in result.addressable_shards:
+            assert_close(shard.data, expected[shard.index], jnp.float64)
+
+    def check_products(checkpoint):
+        lazy = functools.partial(LazyKernel, max_memory_mb=1e-4, checkpoint=checkpoint)  # blocks of 3 or 5
+        right = shard_map(
+            lambda x1, x2, v, ls: lazy(RBF(ls, 1.7), x1, x2) @ v,
+            mesh=mesh,
+            in_specs=(P("d"), P(), P(), P()),
+            out_specs=P("d"),
+        )
+        left = shard_map(
+            lambda x1, x2, w, ls: w @ lazy(RBF(ls, 1.7), x1, x2),
+            mesh=mesh,
+            in_specs=(P(), P("d"), P(), P()),
+            out_specs=P(None, "d"),
+        )
+        ls = jnp.asarray(0.8)
+        check(jax.jit(right)(put(x1, P("d")), put(x2, P()), put(v, P()), ls), dense @ v)
+        check(jax.jit(left)(put(x1, P()), put(x2, P("d")), put(w, P()), ls), w @ dense)
+
+        def loss(x1, x2, v, ls):
+            local = jnp.sum(jnp.sin(lazy(RBF(ls, 1.7), x1, x2) @ v))
+            return jax.lax.psum(local, "d")
+
+        sharded_loss = shard_map(loss, mesh=mesh, in_specs=(P("d"), P(), P(), P()), out_specs=P())
+        grads = jax.jit(jax.grad(sharded_loss, argnums=range(4)))(put(x1, P("d")), put(x2, P()), put(v, P()), ls)
+        dense_loss = lambda x1, x2, v, ls: jnp.sum(jnp.sin(rbf_dense_jnp(x1, x2, ls, 1.7) @ v))  # noqa: E731
+        want = jax.grad(dense_loss, argnums=range(4))(x1, x2, v, ls)
+        for got, expected in zip(grads, want, strict=True):
+            check(got, np.asarray(expected))
+
+    check_products(checkpoint=False)
+    check_products(checkpoint=True)
+    print(f"sharded check passed on {count} devices in process {jax.process_index()} of {jax.process_count()}")
+
+
+def run_python(code, env, timeout=300, processes=1):
+    """Run ``code`` in fresh Python processes (CPU only); fail with their output if any fails."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **env}
+    here = os.path.dirname(os.path.abspath(__file__))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code.format(process=i)],
+            cwd=here,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(processes)
+    ]
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=timeout)[0])
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    for proc, out in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, out
+    return outputs
+
+
+@pytest.fixture
+def cpu_only(device):
+    if device.platform != "cpu":
+        pytest.skip("the multi-device tests use virtual CPU devices")
+
+
+@pytest.mark.usefixtures("cpu_only")
+def test_shard_map_on_four_devices():
+    (out,) = run_python(
+        "import test_lazy_kernel as t; t.check_sharded()",
+        {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+    )
+    assert "passed on 4 devices" in out
+
+
+@pytest.mark.usefixtures("cpu_only")
+def test_sanity_check_on_all_devices():
+    (out,) = run_python(
+        "import sys, lazy_kernel; sys.exit(lazy_kernel.main(['--n', '402', '--devices', 'all', '--batch-size', '30']))",
+        {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+    )
+    assert "devices: 4 x cpu" in out and "K: 400 x 400" in out and "30 rows of 100" in out and "PASS" in out
+
+
+@pytest.mark.usefixtures("cpu_only")
+def test_shard_map_on_two_processes():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = (
+        "import jax; jax.config.update('jax_cpu_collectives_implementation', 'gloo'); "
+        f"jax.distributed.initialize('127.0.0.1:{port}', num_processes=2, process_id={{process}}); "
+        "import test_lazy_kernel as t; t.check_sharded()"
+    )
+    outputs = run_python(code, {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}, processes=2)
+    for i, out in enumerate(outputs):
+        assert f"passed on 4 devices in process {i} of 2" in out
