@@ -276,9 +276,8 @@ def test_jit_and_vmap_with_every_kernel_kind(kernel_name):
     batched = jax.vmap(lambda x1, v: LazyKernel(kernel, x1, x2, batch_size=4) @ v)(x1s, vs[:2])
     for i in range(2):
         assert_close(batched[i], dense_oracle(kernel_np, x1s[i], x2) @ vs[i], jnp.float64)
-    stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), op, op)  # a batch of operators
-    if not jax.tree_util.tree_leaves(op.kernel):  # vmap over every leaf: kernels without hyperparameters
-        assert_close(jax.vmap(lambda op, v: op @ v)(stacked, vs[:2]), vs[:2] @ dense.T, jnp.float64)
+    stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), op, op)  # a batch of two operators
+    assert_close(jax.vmap(lambda op, v: op @ v)(stacked, vs[:2]), vs[:2] @ dense.T, jnp.float64)
 
 
 def test_pytree_leaves_are_the_arrays():
@@ -480,7 +479,7 @@ def check_sharded():
             assert_close(shard.data, expected[shard.index], jnp.float64)
 
     def check_products(checkpoint):
-        lazy = functools.partial(LazyKernel, max_memory_mb=1e-4, checkpoint=checkpoint)  # blocks of 3 or 5
+        lazy = functools.partial(LazyKernel, batch_size=2, checkpoint=checkpoint)
         right = shard_map(
             lambda x1, x2, v, ls: lazy(RBF(ls, 1.7), x1, x2) @ v,
             mesh=mesh,
@@ -578,3 +577,66 @@ def test_shard_map_on_two_processes():
     outputs = run_python(code, {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}, processes=2)
     for i, out in enumerate(outputs):
         assert f"passed on 4 devices in process {i} of 2" in out
+
+
+# -- real use: solvers, GPJax kernels, the README's examples ----------------------------
+
+
+def test_gp_posterior_mean_by_cg_matches_cholesky():
+    rng = np.random.default_rng(9)
+    x, x_test = rng.uniform(size=(300, 2)), rng.uniform(size=(50, 2))
+    y = np.sin(6 * x.sum(1)) + 0.1 * rng.normal(size=300)
+    noise = 0.05
+    op = LazyKernel(RBF(0.8, 1.7), jnp.asarray(x), jnp.asarray(x), batch_size=64, checkpoint=True)
+    alpha, _ = jax.scipy.sparse.linalg.cg(lambda v: op @ v + noise * v, jnp.asarray(y), tol=1e-12, maxiter=2000)
+    mean = LazyKernel(RBF(0.8, 1.7), jnp.asarray(x_test), jnp.asarray(x), batch_size=16) @ alpha
+
+    chol = np.linalg.cholesky(dense_oracle(rbf_np, x, x) + noise * np.eye(300))
+    want = dense_oracle(rbf_np, x_test, x) @ np.linalg.solve(chol.T, np.linalg.solve(chol, y))
+    np.testing.assert_allclose(np.asarray(mean), want, atol=1e-7 * np.abs(want).max())
+
+
+def test_lineax_cg_solve():
+    lineax = pytest.importorskip("lineax", reason="lineax is in the 'interop' extra")
+    rng = np.random.default_rng(10)
+    x, y = jnp.asarray(rng.uniform(size=(200, 2))), jnp.asarray(rng.normal(size=200))
+    op = LazyKernel(RBF(0.5, 1.0), x, x, batch_size=32)
+    operator = lineax.FunctionLinearOperator(
+        lambda v: op @ v + 0.1 * v, jax.ShapeDtypeStruct((200,), x.dtype), lineax.positive_semidefinite_tag
+    )
+    solution = lineax.linear_solve(operator, y, lineax.CG(rtol=1e-12, atol=1e-12, max_steps=2000)).value
+    want = np.linalg.solve(dense_oracle(lambda a, b: rbf_np(a, b, 0.5, 1.0), x, x) + 0.1 * np.eye(200), y)
+    np.testing.assert_allclose(np.asarray(solution), want, atol=1e-7 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("name", ["RBF", "Matern52", "RationalQuadratic"])
+def test_gpjax_kernels_as_they_are(name):
+    gpjax = pytest.importorskip("gpjax", reason="gpjax is in the 'interop' extra")
+    kernel = getattr(gpjax.kernels, name)(lengthscale=0.7, variance=1.3)
+    rng = np.random.default_rng(11)
+    x1, x2, v = (jnp.asarray(rng.normal(size=s)) for s in [(13, 2), (9, 2), (9,)])
+    op = LazyKernel(kernel, x1, x2, batch_size=4, checkpoint=True)
+    assert isinstance(kernel, lazy_kernel.CrossCovarianceKernel)
+    dense = kernel.cross_covariance(x1, x2)  # GPJax's own dense matrix
+    assert_close(op @ v, dense @ v, dense.dtype)
+    assert_close(v @ op.T, v @ dense.T, dense.dtype)
+    lazy_grad = jax.grad(lambda k: jnp.sum(jnp.sin(LazyKernel(k, x1, x2, batch_size=4, checkpoint=True) @ v)))(kernel)
+    dense_grad = jax.grad(lambda k: jnp.sum(jnp.sin(k.cross_covariance(x1, x2) @ v)))(kernel)
+    for got, want in zip(jax.tree_util.tree_leaves(lazy_grad), jax.tree_util.tree_leaves(dense_grad), strict=True):
+        assert_close(got, want, dense.dtype)
+
+
+def readme_python_blocks():
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(here, "README.md")) as f:
+        text = f.read()
+    return [block.split("\n", 1)[1] for block in text.split("```")[1::2] if block.startswith("python\n")]
+
+
+@pytest.mark.parametrize("index", range(len(readme_python_blocks())))
+def test_readme_examples_run(index):
+    code = readme_python_blocks()[index]
+    for optional in ("lineax", "gpjax"):
+        if f"import {optional}" in code:
+            pytest.importorskip(optional, reason=f"{optional} is in the 'interop' extra")
+    exec(compile(code, f"README.md python block {index}", "exec"), {})

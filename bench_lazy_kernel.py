@@ -1,0 +1,400 @@
+"""Benchmark LazyKernel against the dense matrix, the seed's algorithm and an elementwise ceiling.
+
+    python bench_lazy_kernel.py            # the README's run: about 30 minutes on 2 CPU cores
+    python bench_lazy_kernel.py --quick    # a smoke run
+    python bench_lazy_kernel.py --gp 100000  # a GP solve whose dense K (40 GB) would not fit
+    python bench_lazy_kernel.py --pair 16384  # ways of writing the same kernel
+    python bench_lazy_kernel.py --checkpoint 8192  # what checkpoint costs and saves
+
+Everything runs in this one process on the same data (float32, D = 3, an RBF
+kernel in GEMM form), except the multi-device row, which needs its own
+process with 4 virtual CPU devices. Per case: the median time, elements of K
+per second, the ratio to the dense matrix and XLA's temporary memory. Prints
+progress, then a table, and writes bench_lazy_kernel.png. Not a test: times
+depend on the machine and its load; compare ratios within one run.
+"""
+
+import argparse
+import functools
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lazy_kernel import RBF, LazyKernel
+
+KERNEL = RBF(jnp.float32(0.7), jnp.float32(1.3))
+
+
+def compiled(f, *args):
+    """The compiled function and its temporary memory in MiB (XLA's accounting)."""
+    executable = jax.jit(f).lower(*args).compile()
+    return executable, executable.memory_analysis().temp_size_in_bytes / 2**20
+
+
+def median_seconds(f, *args, budget_s=3.0):
+    jax.block_until_ready(f(*args))  # warm up
+    times = []
+    while len(times) < 3 or (len(times) < 7 and sum(times) < budget_s):
+        start = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def case(method, side, mode, n, block, f, args):
+    return dict(method=method, side=side, mode=mode, n=n, block=block, f=f, args=args)
+
+
+def measure(cases, budget_s=30.0):
+    """Time the cases round-robin, one run of each per round (3 to 7 rounds), so that
+    load drifting on a shared machine hits all of them alike. Returns their rows."""
+    runs = []
+    for c in cases:
+        executable, temp_mib = compiled(c["f"], *c["args"])
+        jax.block_until_ready(executable(*c["args"]))  # warm up
+        runs.append((executable, temp_mib, []))
+    start = time.perf_counter()
+    while len(runs[0][2]) < 3 or (len(runs[0][2]) < 7 and time.perf_counter() - start < budget_s):
+        for c, (executable, _, times) in zip(cases, runs, strict=True):
+            begin = time.perf_counter()
+            jax.block_until_ready(executable(*c["args"]))
+            times.append(time.perf_counter() - begin)
+    rows = []
+    for c, (_, temp_mib, times) in zip(cases, runs, strict=True):
+        row = {k: c[k] for k in ("method", "side", "mode", "n", "block")}
+        row.update(seconds=float(np.median(times)), temp_mib=temp_mib)
+        rows.append(row)
+        print(
+            f"  {row['method']:<30} {row['side']} {row['mode']:<8} n={row['n']:<6} block={row['block']!s:<6} "
+            f"{row['seconds'] * 1e3:10.1f} ms  {row['n'] ** 2 / row['seconds']:9.3g} el/s  temp {temp_mib:9.1f} MiB",
+            flush=True,
+        )
+    return rows
+
+
+# -- the methods -------------------------------------------------------------------
+
+
+def dense(kernel, x1, x2, v, side):
+    k = kernel.cross_covariance(x1, x2)  # materialise the whole matrix
+    return k @ v if side == "K @ v" else v @ k
+
+
+def seed(kernel, x1, x2, v, side, checkpoint, max_memory_mb=2**10):
+    """The seed's algorithm: ``jax.lax.map`` over single rows (or columns), batched by its arithmetic."""
+    if side == "v @ K":
+        x1, x2 = x2, x1  # columns of K are rows of K^T (the RBF is symmetric)
+    batch = max(1, (max_memory_mb * 2**20 // 4) // x2.shape[0])
+
+    def one_row(x):
+        return (kernel.cross_covariance(x[None], x2) @ v)[0]
+
+    return jax.lax.map(jax.checkpoint(one_row) if checkpoint else one_row, x1, batch_size=batch)
+
+
+def lazy(kernel, x1, x2, v, side, checkpoint, **settings):
+    op = LazyKernel(kernel, x1, x2, checkpoint=checkpoint, **settings)
+    return op @ v if side == "K @ v" else v @ op
+
+
+def forward(method, *settings):
+    return lambda x1, x2, v: method(KERNEL, x1, x2, v, *settings)
+
+
+def gradient(method, *settings):
+    """The gradient of w.(product) with respect to v and the lengthscale."""
+
+    def loss(v, lengthscale, x1, x2, w):
+        return jnp.vdot(w, method(RBF(lengthscale, KERNEL.variance), x1, x2, v, *settings))
+
+    return jax.grad(loss, argnums=(0, 1))
+
+
+def ceiling_elements_per_second(size=2**16, repeats=2000):
+    """A fused exp-multiply-sum over an in-cache array: the most elements/s this machine's vector units give."""
+    a = jnp.linspace(-1, 0, size, dtype=jnp.float32)
+    c = jnp.linspace(1, 2, size, dtype=jnp.float32)
+
+    def run(a, c):
+        body = lambda i, acc: acc + jnp.sum(jnp.exp(a * (1 + i * 1e-6)) * c)  # noqa: E731
+        return jax.lax.fori_loop(0, repeats, body, jnp.float32(0))
+
+    f, _ = compiled(run, a, c)
+    return size * repeats / median_seconds(f, a, c)
+
+
+# -- the runs ----------------------------------------------------------------------
+
+
+def data(n):
+    rng = np.random.default_rng(0)
+    x1, x2 = (jnp.asarray(rng.normal(size=(n, 3)), jnp.float32) for _ in range(2))
+    v, w = (jnp.asarray(rng.normal(size=n), jnp.float32) for _ in range(2))
+    return x1, x2, v, w
+
+
+def run_single_device(sizes, dense_sizes, dense_grad_sizes, lazy_grad_sizes, sweep_n, sweep_blocks):
+    rows = []
+    for n in sizes:
+        x1, x2, v, w = data(n)
+        op = LazyKernel(KERNEL, x1, x2)
+        fwd, grad = (x1, x2, v), (v, KERNEL.lengthscale, x1, x2, w)
+        cases = []
+        for side in ("K @ v", "v @ K"):
+            block = op.block_rows if side == "K @ v" else op.block_cols
+            seed_block = min(n, op.batch_size_row if side == "K @ v" else op.batch_size_col)
+            if n in dense_sizes:
+                cases.append(case("dense", side, "forward", n, n, forward(dense, side), fwd))
+                cases.append(case("seed", side, "forward", n, seed_block, forward(seed, side, False), fwd))
+            cases.append(case("lazy", side, "forward", n, block, forward(lazy, side, False), fwd))
+            if n in dense_grad_sizes:
+                cases.append(case("dense", side, "gradient", n, n, gradient(dense, side), grad))
+                cases.append(case("seed", side, "gradient", n, seed_block, gradient(seed, side, True), grad))
+            if n in lazy_grad_sizes:
+                cases.append(case("lazy", side, "gradient", n, block, gradient(lazy, side, True), grad))
+        print(f"n = {n}", flush=True)
+        rows += measure(cases)
+
+    x1, x2, v, w = data(sweep_n)
+    fwd, grad = (x1, x2, v), (v, KERNEL.lengthscale, x1, x2, w)
+    small = LazyKernel(KERNEL, x1, x2, max_memory_mb=16)
+    in_16_mb = functools.partial(lazy, max_memory_mb=16)
+    cases = []
+    for side in ("K @ v", "v @ K"):
+        block = small.block_rows if side == "K @ v" else small.block_cols
+        cases.append(case("lazy default", side, "forward", sweep_n, block, forward(lazy, side, False), fwd))
+        for b in sweep_blocks:
+            f = forward(functools.partial(lazy, batch_size=b), side, False)
+            cases.append(case("lazy sweep", side, "forward", sweep_n, b, f, fwd))
+        cases.append(case("lazy 16 MB", side, "forward", sweep_n, block, forward(in_16_mb, side, False), fwd))
+        cases.append(case("lazy 16 MB", side, "gradient", sweep_n, block, gradient(in_16_mb, side, True), grad))
+    print(f"block sweep, n = {sweep_n}", flush=True)
+    return rows + measure(cases)
+
+
+def sharded_worker(n):
+    """In a process with 4 CPU devices: K @ v with the rows of x1 split over 1, 2 and 4 of them."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from lazy_kernel import _shard_map
+
+    x1, x2, v, _ = data(n)
+    cases = []
+    for count in (1, 2, 4):
+        mesh = Mesh(np.array(jax.devices()[:count]), ("d",))
+        f = _shard_map()(
+            lambda a, b, c: LazyKernel(KERNEL, a, b) @ c, mesh=mesh, in_specs=(P("d"), P(), P()), out_specs=P("d")
+        )
+        block = LazyKernel(KERNEL, x1[: n // count], x2).block_rows
+        cases.append(case(f"lazy {count} dev", "K @ v", "forward", n, block, f, (x1, x2, v)))
+    for row in measure(cases):
+        print(json.dumps(row), flush=True)
+
+
+def run_sharded(n):
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(
+        [sys.executable, __file__, "--sharded-worker", str(n)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=True,
+    ).stdout
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    for row in rows:
+        print(
+            f"  {row['method']:<14} per device: block {row['block']}, temp {row['temp_mib']:.1f} MiB, "
+            f"{row['seconds'] * 1e3:.1f} ms",
+            flush=True,
+        )
+    return rows
+
+
+def rbf_pair(x, y):
+    """The RBF as a plain pair function, summing over the features with jnp.sum."""
+    return 1.3 * jnp.exp(-0.5 * jnp.sum(((x - y) / 0.7) ** 2))
+
+
+def rbf_pair_unrolled(x, y):
+    """The same, with the sum over the (few) features written out."""
+    return 1.3 * jnp.exp(-0.5 * sum(((x[d] - y[d]) / 0.7) ** 2 for d in range(x.shape[0])))
+
+
+class FeaturesLeading:
+    """A pair function evaluated by vmapping over the points axis of [D, n] arrays instead of [n, D]."""
+
+    def __init__(self, pair):
+        self.pair = pair
+
+    def __call__(self, x, y):
+        return self.pair(x, y)
+
+    def cross_covariance(self, x1, x2):
+        return jax.vmap(jax.vmap(self.pair, in_axes=(None, 1)), in_axes=(1, None))(x1.T, x2.T)
+
+
+def pair_kernels(n):
+    """K @ v with LazyKernel's defaults for several ways of writing the same RBF."""
+    x1, x2, v, _ = data(n)
+    kernels = {
+        "cross_covariance (GEMM form)": KERNEL,
+        "pair, jnp.sum": rbf_pair,
+        "pair, unrolled sum": rbf_pair_unrolled,
+        "pair, jnp.sum, features leading": FeaturesLeading(rbf_pair),
+    }
+    cases = []
+    for name, kernel in kernels.items():
+        block = LazyKernel(kernel, x1, x2).block_rows
+        f = lambda a, b, c, k=kernel: LazyKernel(k, a, b) @ c  # noqa: E731
+        cases.append(case(name, "K @ v", "forward", n, block, f, (x1, x2, v)))
+    return measure(cases)
+
+
+def checkpoint_cost(n):
+    """The gradient through LazyKernel with and without checkpoint: time and XLA's temporary memory."""
+    x1, x2, v, w = data(n)
+    cases = []
+    for side in ("K @ v", "v @ K"):
+        block = LazyKernel(KERNEL, x1, x2).block_rows
+        for checkpoint in (False, True):
+            name = "lazy, checkpoint" if checkpoint else "lazy, no checkpoint"
+            f = gradient(lazy, side, checkpoint)
+            cases.append(case(name, side, "gradient", n, block, f, (v, KERNEL.lengthscale, x1, x2, w)))
+    return measure(cases)
+
+
+def gp_regression(n, dim=3, noise=1.0, tol=1e-4):
+    """GP posterior mean at n points by conjugate gradients on (K + noise I) alpha = y, K lazy."""
+    import resource
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.uniform(size=(n, dim)), jnp.float32)
+    y = jnp.asarray(np.sin(12 * np.asarray(x).sum(1)) + np.sqrt(noise) * rng.normal(size=n), jnp.float32)
+    kernel = RBF(jnp.float32(0.02), jnp.float32(1.0))
+
+    def solve(x, y):
+        op = LazyKernel(kernel, x, x)
+        alpha, _ = jax.scipy.sparse.linalg.cg(lambda v: op @ v + noise * v, y, tol=tol, maxiter=500)
+        residual = jnp.linalg.norm(op @ alpha + noise * alpha - y) / jnp.linalg.norm(y)
+        return op @ alpha, residual  # the posterior mean at the training points
+
+    print(f"GP regression: n = {n}, D = {dim}, float32; the dense K would need {4 * n * n / 1e9:.1f} GB", flush=True)
+    executable, temp_mib = compiled(solve, x, y)
+    start = time.perf_counter()
+    mean, residual = jax.block_until_ready(executable(x, y))
+    seconds = time.perf_counter() - start
+    peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(
+        f"  CG solve + posterior mean: {seconds:.1f} s, relative residual {float(residual):.1e}, "
+        f"XLA temporaries {temp_mib:.1f} MiB, process peak RSS {peak_gib:.2f} GiB",
+        flush=True,
+    )
+
+
+# -- the report ---------------------------------------------------------------------
+
+
+def machine():
+    device = jax.devices()[0]
+    cpu = platform.machine()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    kind = "" if device.platform == "cpu" else f" {device.device_kind},"
+    return f"{device.platform}{kind} {os.cpu_count()} cores {cpu}, jax {jax.__version__}"
+
+
+def table(rows, ceiling):
+    dense_seconds = {(r["side"], r["mode"], r["n"]): r["seconds"] for r in rows if r["method"] == "dense"}
+    lines = [
+        "| method | product | mode | n | block | median ms | elements/s | vs dense | vs ceiling | temp MiB |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        rate = r["n"] ** 2 / r["seconds"]
+        ref = dense_seconds.get((r["side"], r["mode"], r["n"]))
+        ratio = f"{r['seconds'] / ref:.3f}" if ref else ""
+        lines.append(
+            f"| {r['method']} | {r['side']} | {r['mode']} | {r['n']} | {r['block']} | {r['seconds'] * 1e3:.1f} | "
+            f"{rate:.3g} | {ratio} | {rate / ceiling:.0%} | {r['temp_mib']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows, path, label):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for method, style in (("dense", "o-"), ("seed", "s--"), ("lazy", "^-")):
+        for mode, colour in (("forward", "C0"), ("gradient", "C3")):
+            pts = sorted(
+                (r["n"], r["seconds"], r["temp_mib"])
+                for r in rows
+                if r["method"] == method and r["side"] == "K @ v" and r["mode"] == mode
+            )
+            if pts:
+                n, seconds, temp = zip(*pts, strict=True)
+                kw = dict(color=colour, alpha=1.0 if method == "lazy" else 0.55, label=f"{method} {mode}")
+                ax_time.loglog(n, seconds, style, **kw)
+                ax_mem.loglog(n, temp, style, **kw)
+    ax_time.set(xlabel="N = M", ylabel="median seconds, K @ v", title="time")
+    ax_mem.set(xlabel="N = M", ylabel="XLA temporary MiB", title="memory")
+    for ax in (ax_time, ax_mem):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"LazyKernel vs dense, float32 RBF, D = 3 — {label}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes only: a smoke run")
+    parser.add_argument("--sharded-worker", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--png", default="bench_lazy_kernel.png")
+    parser.add_argument("--gp", type=int, metavar="N", help="instead: time a GP regression solve at N points")
+    parser.add_argument("--pair", type=int, metavar="N", help="instead: time ways of writing a kernel at N points")
+    parser.add_argument("--checkpoint", type=int, metavar="N", help="instead: gradients with and without checkpoint")
+    args = parser.parse_args()
+    if args.sharded_worker:
+        return sharded_worker(args.sharded_worker)
+    if args.gp:
+        return gp_regression(args.gp)
+    if args.pair or args.checkpoint:
+        print(f"machine: {machine()}", flush=True)
+        rows = pair_kernels(args.pair) if args.pair else checkpoint_cost(args.checkpoint)
+        return print("\n" + table(rows, ceiling_elements_per_second()))
+
+    if args.quick:
+        sizes, dense_sizes, dense_grad_sizes, lazy_grad_sizes = [1024, 2048], [1024, 2048], [1024], [1024, 2048]
+        sweep_n, sweep_blocks = 2048, [64]
+    else:
+        sizes = [2048, 4096, 8192, 16384, 32768, 65536]
+        dense_sizes, dense_grad_sizes, lazy_grad_sizes = sizes[:5], sizes[:4], sizes[:5]
+        sweep_n, sweep_blocks = 16384, [16, 32, 64, 128, 256, 512, 1024, 4096]
+    label = machine()
+    print(f"machine: {label}", flush=True)
+    ceiling = ceiling_elements_per_second()
+    print(f"elementwise ceiling: {ceiling:.3g} elements/s", flush=True)
+    rows = run_single_device(sizes, dense_sizes, dense_grad_sizes, lazy_grad_sizes, sweep_n, sweep_blocks)
+    rows += run_sharded(sweep_n)
+    print(f"\nmachine: {label}; elementwise ceiling {ceiling:.3g} elements/s\n")
+    print(table(rows, ceiling))
+    plot(rows, args.png, label)
+    print(f"\nwrote {args.png}")
+
+
+if __name__ == "__main__":
+    main()
