@@ -290,9 +290,15 @@ def test_pytree_leaves_are_the_arrays():
     assert rebuilt.batch_size == 2 and float(rebuilt.kernel.variance) == 4.0 and rebuilt.kernel(x1[0], x1[0]) == 4.0
 
 
+def skewed_dense_jnp(x1, x2):
+    """The dense ``skewed`` matrix by broadcasting: the gradient oracle for a pair function."""
+    return jnp.exp(-0.5 * jnp.sum((x1[:, None] - x2[None]) ** 2, -1)) * (1.5 + jnp.sin(x1[:, :1]))
+
+
 @pytest.mark.parametrize("checkpoint", [False, True])
 @pytest.mark.parametrize("side", ["right", "left"])
-def test_gradients_match_dense(checkpoint, side):
+@pytest.mark.parametrize("pair_function", [False, True])
+def test_gradients_match_dense(checkpoint, side, pair_function):
     rng = np.random.default_rng(6)
     x1, x2 = points(rng, 11, 3, jnp.float64), points(rng, 7, 3, jnp.float64)
     lengthscale, variance = jnp.array([0.7, 1.1, 0.9]), jnp.array(1.3)
@@ -300,11 +306,12 @@ def test_gradients_match_dense(checkpoint, side):
     weights = jnp.asarray(rng.normal(size=(11, 2) if side == "right" else (2, 7)))
 
     def lazy_loss(x1, x2, v, lengthscale, variance):
-        op = LazyKernel(RBF(lengthscale, variance), x1, x2, batch_size=3, checkpoint=checkpoint)
+        kernel = skewed if pair_function else RBF(lengthscale, variance)
+        op = LazyKernel(kernel, x1, x2, batch_size=3, checkpoint=checkpoint)
         return jnp.sum(weights * jnp.sin(op @ v if side == "right" else v @ op))
 
     def dense_loss(x1, x2, v, lengthscale, variance):
-        dense = rbf_dense_jnp(x1, x2, lengthscale, variance)
+        dense = skewed_dense_jnp(x1, x2) if pair_function else rbf_dense_jnp(x1, x2, lengthscale, variance)
         return jnp.sum(weights * jnp.sin(dense @ v if side == "right" else v @ dense))
 
     args = (x1, x2, v, lengthscale, variance)
