@@ -470,7 +470,7 @@ def _products(kernel, settings, checkpoint, devices):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Check LazyKernel on this machine against dense NumPy rows.")
-    parser.add_argument("--n", type=int, default=16384, help="points in x1 and in x2 (M = N)")
+    parser.add_argument("--n", type=int, help="points in x1 and in x2 (M = N); default 16384, 65536 on GPU")
     parser.add_argument("--dim", type=int, default=3, help="features per point")
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     parser.add_argument("--max-memory-mb", type=float, default=2**10, help="budget for one block of K")
@@ -489,7 +489,8 @@ def main(argv=None) -> int:
     jax.config.update("jax_default_matmul_precision", "highest")  # no TF32 rounding on GPUs
     tolerance = {"float32": 1e-4, "float64": 1e-10}[args.dtype]
     devices = jax.devices() if args.devices == "all" else jax.devices()[:1]
-    n = args.n - args.n % len(devices)  # equal shards
+    n = args.n or (16384 if jax.default_backend() == "cpu" else 65536)
+    n -= n % len(devices)  # equal shards
     lengthscale, variance = 0.7, 1.3
 
     rng = np.random.default_rng(0)
