@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lazy_kernel import RBF, LazyKernel
+from lazy_kernel import RBF, LazyKernel, _median_seconds
 
 KERNEL = RBF(jnp.float32(0.7), jnp.float32(1.3))
 
@@ -36,16 +36,6 @@ def compiled(f, *args):
     """The compiled function and its temporary memory in MiB (XLA's accounting)."""
     executable = jax.jit(f).lower(*args).compile()
     return executable, executable.memory_analysis().temp_size_in_bytes / 2**20
-
-
-def median_seconds(f, *args, budget_s=3.0):
-    jax.block_until_ready(f(*args))  # warm up
-    times = []
-    while len(times) < 3 or (len(times) < 7 and sum(times) < budget_s):
-        start = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
 
 
 def case(method, side, mode, n, block, f, args):
@@ -127,7 +117,7 @@ def ceiling_elements_per_second(size=2**16, repeats=2000):
         return jax.lax.fori_loop(0, repeats, body, jnp.float32(0))
 
     f, _ = compiled(run, a, c)
-    return size * repeats / median_seconds(f, a, c)
+    return size * repeats / _median_seconds(f, a, c, repeats=5)
 
 
 # -- the runs ----------------------------------------------------------------------
