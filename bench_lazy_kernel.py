@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import lazy_kernel
 from lazy_kernel import RBF, LazyKernel, _median_seconds
 
 KERNEL = RBF(jnp.float32(0.7), jnp.float32(1.3))
@@ -107,17 +108,147 @@ def gradient(method, *settings):
     return jax.grad(loss, argnums=(0, 1))
 
 
-def ceiling_elements_per_second(size=2**16, repeats=2000):
-    """A fused exp-multiply-sum over an in-cache array: the most elements/s this machine's vector units give."""
-    a = jnp.linspace(-1, 0, size, dtype=jnp.float32)
-    c = jnp.linspace(1, 2, size, dtype=jnp.float32)
+def ceiling_elements_per_second(n=16384, rows=64):
+    """exp + matvec over LazyKernel's own block structure: [rows, n] blocks, the exponential
+    recomputed in every block from a precomputed block. No kernel evaluation can beat it."""
+    rng = np.random.default_rng(0)
+    block = jnp.asarray(-rng.uniform(size=(rows, n)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=n), jnp.float32)
 
-    def run(a, c):
-        body = lambda i, acc: acc + jnp.sum(jnp.exp(a * (1 + i * 1e-6)) * c)  # noqa: E731
-        return jax.lax.fori_loop(0, repeats, body, jnp.float32(0))
+    def run(block, v):
+        def body(i, out):  # the scale keeps XLA from computing exp(block) once for all blocks
+            return jax.lax.dynamic_update_slice_in_dim(out, jnp.exp(block * (1 + i * 1e-7)) @ v, i * rows, 0)
 
-    f, _ = compiled(run, a, c)
-    return size * repeats / _median_seconds(f, a, c, repeats=5)
+        return jax.lax.fori_loop(0, n // rows, body, jnp.zeros(n, jnp.float32))
+
+    f, _ = compiled(run, block, v)
+    return n * n / _median_seconds(f, block, v, repeats=5)
+
+
+class VmapForm:
+    """A kernel evaluated as main did before the pair program: ``jax.vmap(jax.vmap(pair))``."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __call__(self, x, y):
+        return self.kernel(x, y)
+
+    def cross_covariance(self, x1, x2):
+        return lazy_kernel._vmap_block(self.kernel, x1, x2) * 1  # "* 1": not a bare vmap, so it is used
+
+
+jax.tree_util.register_pytree_node(VmapForm, lambda k: ((k.kernel,), None), lambda _, c: VmapForm(*c))
+
+
+def user_kernels(dim):
+    """The kernels users bring, and the module's RBF, with the same hyperparameters."""
+    import gpjax
+
+    lengthscale = jnp.linspace(0.5, 1.5, dim, dtype=jnp.float32)
+    return {
+        "lazy_kernel.RBF": RBF(lengthscale, jnp.float32(1.3)),
+        "GPJax RBF": gpjax.kernels.RBF(lengthscale=lengthscale, variance=1.3),
+        "GPJax Matern52": gpjax.kernels.Matern52(lengthscale=lengthscale, variance=1.3),
+        "pair, jnp.sum": lambda x, y: 1.3 * jnp.exp(-0.5 * jnp.sum(((x - y) / lengthscale) ** 2)),
+    }
+
+
+def kernels_table(n, n_grad):
+    """K @ v and the checkpointed gradient for users' kernels: pair program vs vmap form vs lazy_kernel.RBF."""
+    rows = []
+    for dim in (3, 16, 64):
+        for mode, size in (("forward", n), ("gradient", n_grad)):
+            if mode == "gradient" and dim == 64:
+                continue
+            rng = np.random.default_rng(0)
+            x = jnp.asarray(rng.normal(size=(size, dim)), jnp.float32)
+            v = jnp.asarray(rng.normal(size=size), jnp.float32)
+            cases = []
+            for name, kernel in user_kernels(dim).items():
+                forms = {"default": kernel} if name == "lazy_kernel.RBF" else {"default": kernel, "vmap": VmapForm(kernel)}
+                for form, k in forms.items():
+                    path = lazy_kernel.block_evaluation(k, dim)
+                    label = f"{name}, D={dim} [{form}: {path}]"
+                    block = LazyKernel(k, x, x, checkpoint=mode == "gradient").block_rows
+                    if mode == "forward":
+                        f = lambda x, v, k=k: LazyKernel(k, x, x) @ v  # noqa: E731
+                        cases.append(case(label, "K @ v", mode, size, block, f, (x, v)))
+                    else:
+                        def loss(k, x, v):
+                            return jnp.sum(jnp.sin(LazyKernel(k, x, x, checkpoint=True) @ v))
+
+                        f = lambda k, x, v: jax.grad(loss, argnums=(0, 1, 2))(k, x, v)  # noqa: E731
+                        cases.append(case(label, "K @ v", mode, size, block, f, (k, x, v)))
+            print(f"kernels, D = {dim}, {mode}, n = {size}", flush=True)
+            rows += measure(cases)
+    return rows
+
+
+def budget_table(n, budgets):
+    """The budget against XLA's measured peak, before (the block from the budget alone) and after."""
+    import gpjax
+
+    kernels = {
+        "pair, jnp.sum": lambda d: lambda x, y: jnp.exp(-0.5 * jnp.sum((x - y) ** 2)),
+        "partial (Laplace)": lambda d: functools.partial(lambda x, y, s: jnp.exp(-jnp.sum(jnp.abs(x - y)) / s), s=1.3),
+        "lazy_kernel.RBF": lambda d: RBF(jnp.float32(0.7)),
+        "GPJax RBF": lambda d: gpjax.kernels.RBF(lengthscale=jnp.linspace(0.5, 1.5, d, dtype=jnp.float32)),
+        "GPJax Matern52": lambda d: gpjax.kernels.Matern52(lengthscale=jnp.float32(0.7)),
+    }
+    lines = ["| kernel | D | budget MiB | before: block, forward, gradient MiB | after: block, forward, gradient MiB |"]
+    lines.append("|---|---:|---:|---|---|")
+    for name, make in kernels.items():
+        for dim in (1, 3, 16, 64):
+            x = jax.ShapeDtypeStruct((n, dim), jnp.float32)
+            v = jax.ShapeDtypeStruct((n,), jnp.float32)
+            kernel = make(dim)
+            for budget in budgets:
+                cells = []
+                for rows in ("before", None):
+                    if rows == "before":  # main's block: the budget sized one block of K, nothing measured
+                        rows = LazyKernel(kernel, jnp.zeros((n, dim)), jnp.zeros((n, dim)), max_memory_mb=budget)
+                        rows = rows._preferred_block_rows()
+                    settings = dict(batch_size=rows) if rows else dict(max_memory_mb=budget)
+
+                    def loss(x, v, checkpoint=True):
+                        return jnp.sum(LazyKernel(kernel, x, x, checkpoint=checkpoint, **settings) @ v)
+
+                    fwd = compiled(lambda x, v: loss(x, v, False), x, v)[1]
+                    grad = compiled(jax.grad(loss, argnums=(0, 1)), x, v)[1]
+                    used = rows or LazyKernel(kernel, jnp.zeros((n, dim)), jnp.zeros((n, dim)), **settings).block_rows
+                    cells.append(f"{used}, {fwd:.1f}, {grad:.1f}")
+                lines.append(f"| {name} | {dim} | {budget:g} | {cells[0]} | {cells[1]} |")
+                print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
+def construction_cost(n):
+    """What measuring the budget costs: first construction, again (cached), and a product's compile."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(n, 3)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=n), jnp.float32)
+    for checkpoint in (False, True):
+        for name, kernel in list(user_kernels(3).items())[1:3]:
+            start = time.perf_counter()
+            LazyKernel(kernel, x, x, checkpoint=checkpoint).block_rows
+            first = time.perf_counter() - start
+            start = time.perf_counter()
+            LazyKernel(kernel, x, x, checkpoint=checkpoint).block_rows
+            again = time.perf_counter() - start
+            block = LazyKernel(kernel, x, x, checkpoint=checkpoint).block_rows
+            times = {}
+            for label, settings in (("given batch_size", dict(batch_size=block)), ("measured", {})):
+                start = time.perf_counter()
+                f = jax.jit(lambda x, v: LazyKernel(kernel, x, x, **settings) @ v).lower(x, v).compile()
+                times[label] = (time.perf_counter() - start, _median_seconds(f, x, v, repeats=5))
+            print(
+                f"  {name}, checkpoint={checkpoint}: first construction {first * 1e3:.0f} ms, again {again * 1e3:.1f} ms; "
+                f"K @ v compile + run with batch_size={block} given: {times['given batch_size'][0] * 1e3:.0f} ms + "
+                f"{times['given batch_size'][1] * 1e3:.1f} ms, measured (cached): {times['measured'][0] * 1e3:.0f} ms + "
+                f"{times['measured'][1] * 1e3:.1f} ms",
+                flush=True,
+            )
 
 
 # -- the runs ----------------------------------------------------------------------
@@ -363,7 +494,19 @@ def main():
     parser.add_argument("--gp", type=int, metavar="N", help="instead: time a GP regression solve at N points")
     parser.add_argument("--pair", type=int, metavar="N", help="instead: time ways of writing a kernel at N points")
     parser.add_argument("--checkpoint", type=int, metavar="N", help="instead: gradients with and without checkpoint")
+    parser.add_argument("--kernels", type=int, metavar="N", help="instead: users' kernels, pair program vs vmap")
+    parser.add_argument("--budget", type=int, metavar="N", help="instead: the budget against XLA's measured peak")
     args = parser.parse_args()
+    if args.kernels:
+        print(f"machine: {machine()}", flush=True)
+        ceiling = ceiling_elements_per_second(args.kernels)
+        print(f"ceiling (exp + matvec over 64-row blocks): {ceiling:.3g} elements/s", flush=True)
+        rows = kernels_table(args.kernels, args.kernels // 2)
+        return print("\n" + table(rows, ceiling))
+    if args.budget:
+        print(f"machine: {machine()}", flush=True)
+        construction_cost(args.budget)
+        return print("\n" + budget_table(args.budget, budgets=(4, 64)))
     if args.sharded_worker:
         return sharded_worker(args.sharded_worker)
     if args.gp:

@@ -19,13 +19,16 @@ dense NumPy oracle.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import numbers
 import sys
 import time
-from typing import Protocol, runtime_checkable
+import warnings
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
@@ -60,10 +63,66 @@ class CrossCovarianceKernel(PairKernel, Protocol):
 
 
 def kernel_block(kernel: PairKernel, xa: jax.Array, xb: jax.Array) -> jax.Array:
-    """The dense block K(xa, xb), shape [len(xa), len(xb)]."""
-    if hasattr(kernel, "cross_covariance"):
+    """The dense block K(xa, xb), shape [len(xa), len(xb)], evaluated as ``block_evaluation`` says."""
+    if _own_cross_covariance(kernel, xa, xb):
         return kernel.cross_covariance(xa, xb)
+    if jax.default_backend() == "cpu" and xa.shape[0] and xb.shape[0]:
+        return _pair_program_block(kernel, xa, xb, fallbacks=[])
+    return _vmap_block(kernel, xa, xb)
+
+
+def _vmap_block(kernel, xa, xb):
+    """The block by vmapping the pair call: the reference every faster form must equal."""
     return jax.vmap(jax.vmap(kernel, in_axes=(None, 0)), in_axes=(0, None))(xa, xb)
+
+
+def _own_cross_covariance(kernel, xa, xb):
+    """Whether ``kernel`` has a ``cross_covariance`` that is more than a vmap of its pair call.
+
+    GPJax's kernels have one that is exactly ``_vmap_block``; the module's
+    ``RBF`` has a GEMM form. The two are told apart by their jaxprs on small
+    blocks of the same dtypes.
+    """
+    if not hasattr(kernel, "cross_covariance"):
+        return False
+    a = jax.ShapeDtypeStruct((2, xa.shape[1]), xa.dtype)
+    b = jax.ShapeDtypeStruct((3, xb.shape[1]), xb.dtype)
+    own = jax.make_jaxpr(kernel.cross_covariance)(a, b)
+    return str(own) != str(jax.make_jaxpr(functools.partial(_vmap_block, kernel))(a, b))
+
+
+def block_evaluation(kernel: PairKernel, dim: int, dtype=jnp.float32) -> str:
+    """How blocks of ``kernel`` on ``dim`` features are computed on the default backend.
+
+    ``"cross_covariance"`` (the kernel's own), ``"vmap"`` (of the pair call;
+    off CPU), or ``"pair program"`` (CPU, see the section on fast blocks),
+    followed by the equations that the pair program evaluates by vmap, if any.
+    """
+    a, b = jax.ShapeDtypeStruct((2, dim), dtype), jax.ShapeDtypeStruct((3, dim), dtype)
+    if _own_cross_covariance(kernel, a, b):
+        return "cross_covariance"
+    if jax.default_backend() != "cpu":
+        return "vmap"
+    fallbacks = []
+    jax.eval_shape(functools.partial(_pair_program_block, kernel, fallbacks=fallbacks), a, b)
+    return "pair program" + (f" (by vmap: {', '.join(sorted(set(fallbacks)))})" if fallbacks else "")
+
+
+def _squared_distances(a, b):
+    """``|a_i - b_j|^2`` for a [m, K] and b [n, K], shape [m, n], in the GEMM form.
+
+    ``|a|^2 + |b|^2 - 2 a.b`` is one matrix product for any K, made careful:
+    both inputs are shifted by b's mean so points far from the origin do not
+    cancel catastrophically, the product runs at full float32 precision even
+    on TF32 GPUs, and the result is clamped at zero.
+    """
+    offset = jnp.mean(b, axis=0) if b.shape[0] else 0.0
+    a, b = a - offset, b - offset
+    ab = jnp.matmul(a, b.T, precision=jax.lax.Precision.HIGHEST)
+    # Squared norms summed over the leading axis of a.T: XLA on CPU runs a
+    # sum over a tiny trailing axis (features) several times slower.
+    sq_dist = jnp.sum(a.T**2, axis=0)[:, None] + jnp.sum(b.T**2, axis=0)[None, :] - 2 * ab
+    return jnp.maximum(sq_dist, 0.0)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -71,11 +130,9 @@ class RBF:
     """Squared-exponential kernel ``variance * exp(-|x - y|^2 / (2 lengthscale^2))``.
 
     A reference for both protocols. ``lengthscale`` may be a scalar or one
-    value per feature. ``cross_covariance`` uses the GEMM form
-    ``|a|^2 + |b|^2 - 2 a.b`` (fast everywhere), made careful: both inputs are
-    shifted by a shared offset so points far from the origin do not cancel
-    catastrophically, the product runs at full float32 precision even on
-    TF32 GPUs, and the squared distance is clamped at zero.
+    value per feature. ``cross_covariance`` uses the careful GEMM form of
+    ``_squared_distances``, on points shifted by the mean of x2 before they
+    are scaled, so that even the scaling does not round away small distances.
     """
 
     def __init__(self, lengthscale=1.0, variance=1.0):
@@ -88,13 +145,8 @@ class RBF:
 
     def cross_covariance(self, x1, x2):
         offset = jnp.mean(x2, axis=0) if x2.shape[0] else 0.0
-        a = (x1 - offset) / self.lengthscale
-        b = (x2 - offset) / self.lengthscale
-        ab = jnp.matmul(a, b.T, precision=jax.lax.Precision.HIGHEST)
-        # Squared norms summed over the leading axis of a.T: XLA on CPU runs a
-        # sum over a tiny trailing axis (features) several times slower.
-        sq_dist = jnp.sum(a.T**2, axis=0)[:, None] + jnp.sum(b.T**2, axis=0)[None, :] - 2 * ab
-        return self.variance * jnp.exp(-0.5 * jnp.maximum(sq_dist, 0.0))
+        sq_dist = _squared_distances((x1 - offset) / self.lengthscale, (x2 - offset) / self.lengthscale)
+        return self.variance * jnp.exp(-0.5 * sq_dist)
 
     def __repr__(self):
         return f"RBF(lengthscale={self.lengthscale}, variance={self.variance})"
@@ -156,6 +208,244 @@ def _check_kernel(kernel, dim, dtype):
 
 
 # --------------------------------------------------------------------------
+# Fast blocks for pair kernels: the kernel's own program, run on a block
+# --------------------------------------------------------------------------
+#
+# ``_vmap_block`` turns a pair kernel into a [b, n, D] computation, and XLA on
+# CPU runs its sum over the tiny feature axis D several times slower than
+# the exponential after it. A hand-written kernel avoids that by writing the
+# feature sum out. ``_pair_program_block`` does the same for any pair kernel:
+# it runs the kernel's jaxpr (its program on one pair of points) once for the
+# whole block, keeping each value of shape S (say [D] or []) in the cheapest
+# exact form:
+#
+# - an array [B, N, *S], B in {1, b} and N in {1, n}: a value of x alone is
+#   [b, 1, *S], of y alone [1, n, *S], of neither [1, 1, *S], a scalar of
+#   both [b, n]. These broadcast against each other like NumPy arrays, so
+#   whatever depends on one point is computed once per point, not per pair.
+# - ``_Split``: a value of both points with features, as a NumPy object array
+#   of shape S holding [b, n] arrays. A sum over features is then a Python
+#   sum of D arrays: the hand-written kernel.
+# - ``_Difference``: x' - y', of x alone and y alone, not yet computed, so that
+#   ``sum((x' - y')**2)`` becomes ``_squared_distances(x', y')``, one GEMM,
+#   when there are more than ``SUM_FEATURES_MAX`` features (else the sum is
+#   written out, which is exact and as fast).
+#
+# An equation the rules below do not cover is evaluated by ``jax.vmap`` on
+# its own, so every result is what ``_vmap_block`` computes.
+
+SUM_FEATURES_MAX = 8  # more features: their squared distances in GEMM form (bench_lazy_kernel.py --kernels)
+
+_ELEMENTWISE = frozenset(
+    "abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type copy copy_p cos "
+    "cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt integer_pow is_finite le lgamma log log1p "
+    "logistic lt max min mul ne neg nextafter not or pow reduce_precision rem round rsqrt select_n sign sin sinh "
+    "sqrt square sub tan tanh xor".split()
+)
+
+
+class _Split:
+    def __init__(self, parts):
+        self.parts = parts  # a NumPy object array of shape S holding [B, N] arrays
+
+
+class _Difference:
+    def __init__(self, row, col, scales=(), squared=False):
+        self.row, self.col = row, col  # x' [B, 1, *S] and y' [1, N, *S]
+        self.scales = scales  # ("mul" or "div", constant [1, 1, *S]) applied, in order, after subtracting
+        self.squared = squared
+
+    def scaled(self, a, at=...):
+        for name, constant in self.scales:
+            a = a * constant[at] if name == "mul" else a / constant[at]
+        return a
+
+    def part(self, index):
+        """The [B, N] array of one feature."""
+        at = (slice(None), slice(None), *index)
+        a = self.scaled(self.row[at] - self.col[at], at)
+        return a * a if self.squared else a
+
+
+def _pair_program_block(kernel, xa, xb, fallbacks):
+    """The block K(xa, xb) from the kernel's jaxpr run on whole blocks (see above).
+
+    ``fallbacks`` collects the names of the equations evaluated by vmap.
+    """
+    program = jax.make_jaxpr(kernel)(xa[0], xb[0])
+    (out,) = _run(program.jaxpr, program.consts, [xa[:, None, :], xb[None, :, :]], fallbacks)
+    return jnp.broadcast_to(_dense(out), (xa.shape[0], xb.shape[0]))
+
+
+def _run(jaxpr, consts, args, fallbacks):
+    env = dict(zip(jaxpr.invars, args))
+    env.update((var, jnp.asarray(c)[None, None]) for var, c in zip(jaxpr.constvars, consts))
+
+    def read(var):
+        if isinstance(var, jax.extend.core.Literal):
+            return jnp.asarray(var.val, var.aval.dtype)[None, None]
+        return env[var]
+
+    for eqn in jaxpr.eqns:
+        env.update(zip(eqn.outvars, _evaluate(eqn, [read(v) for v in eqn.invars], fallbacks)))
+    return [read(var) for var in jaxpr.outvars]
+
+
+def _evaluate(eqn, args, fallbacks):
+    """The outputs of one equation on block values: the rules of this section."""
+    name, params = eqn.primitive.name, eqn.params
+    shape = eqn.outvars[0].aval.shape
+    arrays = not any(isinstance(a, (_Split, _Difference)) for a in args)
+    if name in ("pjit", "jit", "closed_call"):
+        inner = params["jaxpr"] if "jaxpr" in params else params["call_jaxpr"]
+        return _run(inner.jaxpr, inner.consts, args, fallbacks)
+    if arrays and all(a.shape[:2] == (1, 1) for a in args):  # a value of neither point
+        return [out[None, None] for out in _bind(eqn, [a[0, 0] for a in args])]
+    difference = _difference_rule(name, params, args) if len(args) in (1, 2) else None
+    if difference is not None:
+        return [difference]
+    features_of_both = bool(shape) and not (arrays and _one_sided(args))
+    if name in _ELEMENTWISE and features_of_both:  # one array per feature
+        split = [_split(a, shape) for a in args]
+        parts = np.empty(shape, object)
+        for index in np.ndindex(shape):
+            (parts[index],) = _elementwise(eqn, [s.parts[index] for s in split])
+        return [_Split(parts)]
+    if name in _ELEMENTWISE:
+        return _elementwise(eqn, args)
+    x = args[0]
+    if not shape and isinstance(x, _Difference) and (
+        name == "reduce_sum" and x.squared or name == "dot_general" and _same_difference(x, args[1])
+    ):  # sum((x' - y')**2) over all features, or (x' - y').(x' - y')
+        if math.prod(x.row.shape[2:]) > SUM_FEATURES_MAX:  # shift, then scale, as RBF.cross_covariance does
+            offset = jnp.mean(x.col, axis=1, keepdims=True)
+            row, col = x.scaled(x.row - offset), x.scaled(x.col - offset)
+            return [_squared_distances(row.reshape(row.shape[0], -1), col.reshape(col.shape[1], -1))]
+        return [np.sum(_split(_Difference(x.row, x.col, x.scales, squared=True)).parts)]  # written out: exact
+    if name in _STRUCTURAL and (features_of_both or not arrays):
+        parts = _STRUCTURAL[name]([_split(a).parts for a in args], params, shape)
+        return [_Split(parts) if shape else parts[()] if isinstance(parts, np.ndarray) else parts]
+    if name == "dot_general" and not shape and arrays and x.ndim == 3 and (_side(x), _side(args[1])) == ("x", "y"):
+        return [jnp.matmul(x[:, 0], args[1][0].T, precision=params["precision"])]  # x' . y' of vectors: a GEMM
+    if not (arrays and _one_sided(args)):
+        fallbacks.append(name)  # on values of both points: what block_evaluation reports
+    return _by_vmap(eqn, args)
+
+
+def _broadcast_in_dim(parts, params, shape):
+    expanded = [1] * len(shape)
+    for axis, size in zip(params["broadcast_dimensions"], parts.shape):
+        expanded[axis] = size
+    return np.broadcast_to(parts.reshape(expanded), shape)
+
+
+_STRUCTURAL = {  # NumPy's twins of JAX's structural primitives, on object arrays of [B, N] arrays
+    "broadcast_in_dim": lambda p, params, shape: _broadcast_in_dim(p[0], params, shape),
+    "concatenate": lambda p, params, shape: np.concatenate(p, axis=params["dimension"]),
+    "reduce_prod": lambda p, params, shape: np.prod(p[0], axis=tuple(params["axes"])),
+    "reduce_sum": lambda p, params, shape: np.sum(p[0], axis=tuple(params["axes"])),
+    "reshape": lambda p, params, shape: p[0].reshape(shape),
+    "squeeze": lambda p, params, shape: p[0].reshape(shape),
+    "stack": lambda p, params, shape: np.stack(p, axis=params["axis"]),
+    "transpose": lambda p, params, shape: p[0].transpose(params["permutation"]),
+}
+
+
+def _difference_rule(name, params, args):
+    """x' - y' as a _Difference, negated, scaled by a constant or squared; else None."""
+    x, y = (*args, None)[:2]
+    if name in ("sub", "add") and not any(isinstance(a, (_Split, _Difference)) for a in args):
+        if {_side(x), _side(y)} == {"x", "y"}:
+            row, col = (x, y) if _side(x) == "x" else (y, x)
+            if name == "add":
+                return _Difference(row, -col)
+            return _Difference(row, col) if row is x else _Difference(-row, -col)
+        return None
+    if not isinstance(x, _Difference) or x.squared:
+        if name == "mul" and isinstance(y, _Difference) and not y.squared:
+            return _difference_rule(name, params, [y, x])  # constant * difference
+        return None
+    if name == "neg":
+        return _Difference(x.row, x.col, (*x.scales, ("mul", jnp.full((1, 1, *x.row.shape[2:]), -1, x.row.dtype))))
+    if name in ("integer_pow", "square") and params.get("y", 2) == 2 or name == "mul" and _same_difference(x, y):
+        return _Difference(x.row, x.col, x.scales, squared=True)
+    constant = name in ("mul", "div") and not isinstance(y, (_Split, _Difference)) and y.shape[:2] == (1, 1)
+    if constant and y.ndim <= x.row.ndim:
+        constant = jnp.broadcast_to(_expand(y, x.row.ndim - 2), (1, 1, *x.row.shape[2:]))
+        return _Difference(x.row, x.col, (*x.scales, (name, constant)))
+    return None
+
+
+def _same_difference(a, b):
+    """Whether two unsquared _Differences are the same computation (a kernel may compute x - y twice)."""
+    same = isinstance(b, _Difference) and not (a.squared or b.squared) and a.row is b.row and a.col is b.col
+    return same and len(a.scales) == len(b.scales) and all(s is t or s[1] is t[1] for s, t in zip(a.scales, b.scales))
+
+
+def _side(a):
+    """"x" for an array of x alone, "y" for one of y alone, else None."""
+    if a.shape[1] == 1 and a.shape[0] > 1:
+        return "x"
+    if a.shape[0] == 1 and a.shape[1] > 1:
+        return "y"
+    return None
+
+
+def _one_sided(args):
+    return not (any(a.shape[0] > 1 for a in args) and any(a.shape[1] > 1 for a in args))
+
+
+def _expand(a, rank):
+    """[B, N, *S] with ones inserted after B, N up to ``rank`` trailing axes, for broadcasting."""
+    return a.reshape(a.shape[:2] + (1,) * (rank + 2 - a.ndim) + a.shape[2:])
+
+
+def _dense(a):
+    """A block value as one array [B, N, *S]."""
+    if isinstance(a, _Difference):
+        difference = a.scaled(a.row - a.col)
+        return difference * difference if a.squared else difference
+    if isinstance(a, _Split):
+        lead = jnp.broadcast_shapes(*(part.shape for part in a.parts.flat))
+        parts = [jnp.broadcast_to(part, lead) for part in a.parts.flat]
+        return jnp.stack(parts, axis=-1).reshape(lead + a.parts.shape)
+    return a
+
+
+def _split(a, shape=None):
+    """A block value as a _Split of [B, N] arrays, broadcast to ``shape`` if given."""
+    if isinstance(a, _Split):
+        return a if shape is None else _Split(np.broadcast_to(a.parts, shape))
+    parts = np.empty(a.row.shape[2:] if isinstance(a, _Difference) else a.shape[2:], object)
+    for index in np.ndindex(parts.shape):
+        parts[index] = a.part(index) if isinstance(a, _Difference) else a[(slice(None), slice(None), *index)]
+    return _Split(parts if shape is None else np.broadcast_to(parts, shape))
+
+
+def _bind(eqn, args):
+    params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns, params = params if isinstance(params, tuple) else ((), params)  # JAX < 0.5: (subfuns, params)
+    out = eqn.primitive.bind(*subfuns, *args, **params)
+    return out if eqn.primitive.multiple_results else [out]
+
+
+def _elementwise(eqn, args):
+    args = [_dense(a) for a in args]
+    rank = max(a.ndim for a in args) - 2
+    args = [_expand(a, rank) for a in args]
+    shape = jnp.broadcast_shapes(*(a.shape for a in args))
+    return _bind(eqn, [jnp.broadcast_to(a, shape) for a in args])
+
+
+def _by_vmap(eqn, args):
+    """Any equation: vmapped over the two leading axes, as ``_vmap_block`` would."""
+    args = [_dense(a) for a in args]
+    lead = jnp.broadcast_shapes(*(a.shape[:2] for a in args))
+    args = [jnp.broadcast_to(a, lead + a.shape[2:]) for a in args]
+    return jax.vmap(jax.vmap(lambda *a: _bind(eqn, a)))(*args)
+
+
+# --------------------------------------------------------------------------
 # The blockwise engine
 # --------------------------------------------------------------------------
 
@@ -179,7 +469,7 @@ def _zeros_varying_like(shape, dtype, tree):
 
 
 def _blockwise_matmul(kernel, rows, cols, rhs, block, checkpoint):
-    """``K(rows, cols) @ rhs`` for rhs [len(cols), B], ``block`` rows of K at a time."""
+    """``K(rows, cols) @ rhs`` for rhs [len(cols), B], ``block`` (at most len(rows)) rows of K at a time."""
     n = rows.shape[0]
     dtype = rhs.dtype
 
@@ -193,17 +483,141 @@ def _blockwise_matmul(kernel, rows, cols, rhs, block, checkpoint):
         product = jax.checkpoint(product, prevent_cse=False)
 
     def body(i, out):
-        start = i * block
+        start = jnp.minimum(i * block, n - block)  # the last block overlaps the one before it
         row_block = jax.lax.dynamic_slice_in_dim(rows, start, block)
         return jax.lax.dynamic_update_slice_in_dim(out, product(row_block), start, axis=0)
 
+    # Every block has the same size, so that no separate remainder block runs
+    # beside the loop (XLA would keep both alive: almost twice the peak). The
+    # rows the last block shares with the one before are computed twice and
+    # written twice, with the same values.
     out = _zeros_varying_like((n, rhs.shape[1]), dtype, (kernel, rows, cols, rhs))
-    full_blocks, rest = divmod(n, block)
-    if full_blocks:
-        out = jax.lax.fori_loop(0, full_blocks, body, out)
-    if rest:  # the last, shorter block, computed at its exact size
-        out = out.at[n - rest :].set(product(rows[n - rest :]))
-    return out
+    return jax.lax.fori_loop(0, -(-n // block), body, out) if n else out
+
+
+# --------------------------------------------------------------------------
+# The memory budget, measured with XLA's own accounting
+# --------------------------------------------------------------------------
+#
+# One block of K is not the peak. XLA keeps whatever temporaries the kernel's
+# computation needs (a pair kernel's checkpointed gradient holds about D + 1
+# blocks), and arrays the size of the data (inputs, operand, result, their
+# cotangents) that no block size changes. So the block comes from a
+# measurement on the backend in use: the product, and with checkpoint=True its
+# gradients, are compiled on abstract inputs at two block sizes, and XLA's
+# ``temp_size_in_bytes`` is fitted as ``fixed + per_row * rows``. The block is
+# the most rows whose temporaries stay within the limit, ``max_memory_mb``
+# plus twice the data (x1, x2, the kernel's arrays, operand and result: them
+# and their cotangents); it is measured at that size (XLA's choices can
+# jump), and shrunk until it fits.
+
+
+class Memory(NamedTuple):
+    """XLA's temporaries for one product (the largest over the programs measured), in MiB."""
+
+    rows: int  # rows of K per block
+    peak_mb: float  # the temporaries at that block
+    limit_mb: float  # max_memory_mb + twice the data (x1, x2, kernel arrays, operand, result)
+    per_row_mb: float  # what each row of a block adds
+
+
+_MEMORY = {}  # (what decides the peak) -> Memory
+
+
+def _measure(op, rows, width):
+    """XLA's temporaries in bytes for ``op @ [N, width]`` at ``rows`` rows per block.
+
+    With ``checkpoint``, the largest of the reverse-mode gradients of its sum
+    with respect to (x1, operand), (x2, operand) and all inputs (the worst
+    cases seen; each holds more than the product alone).
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(op)
+    m, n = op.shape
+
+    def product(leaves, rhs):
+        new = jax.tree_util.tree_unflatten(treedef, leaves)
+        x1, x2 = jnp.asarray(new.x1), jnp.asarray(new.x2)
+        return _blockwise_matmul(new.kernel, x1, x2, rhs, rows, op.checkpoint)
+
+    specs = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in leaves]
+    rhs = jax.ShapeDtypeStruct((n, width), jnp.result_type(op.dtype, op.x1.dtype))
+    program = jax.make_jaxpr(product)(specs, rhs)
+    # A kernel may close over tracers (a hyperparameter under jit or grad):
+    # they become inputs of the measured programs, like the leaves.
+    traced = [isinstance(c, jax.core.Tracer) for c in program.consts]
+    inputs = [*specs, rhs] + [jax.ShapeDtypeStruct(jnp.shape(c), c.dtype) for c, t in zip(program.consts, traced) if t]
+
+    def run(*inputs):
+        hoisted = iter(inputs[len(specs) + 1 :])
+        consts = [next(hoisted) if t else c for c, t in zip(program.consts, traced)]
+        return jax.core.eval_jaxpr(program.jaxpr, consts, *inputs[: len(specs) + 1])[0]
+
+    def gradient(argnums):
+        argnums = tuple(i for i in argnums if jnp.issubdtype(inputs[i].dtype, jnp.inexact))
+        return jax.grad(lambda *a: jnp.sum(run(*a)), argnums)
+
+    x1, x2, v = len(leaves) - 2, len(leaves) - 1, len(leaves)
+    programs = [gradient((x1, v)), gradient((x2, v)), gradient(range(len(inputs)))] if op.checkpoint else [run]
+    return max(jax.jit(f).lower(*inputs).compile().memory_analysis().temp_size_in_bytes for f in programs)
+
+
+def _memory(op, width):
+    """The block for ``op @ [N, width]`` and its measured temporaries (cached)."""
+    a = jax.ShapeDtypeStruct((2, op.x1.shape[1]), op.x1.dtype)
+    b = jax.ShapeDtypeStruct((3, op.x2.shape[1]), op.x2.dtype)
+    block_program = str(jax.make_jaxpr(functools.partial(kernel_block, op.kernel))(a, b))
+    leaves = [(jnp.shape(a), jnp.result_type(a)) for a in jax.tree_util.tree_leaves(op)]
+    settings = (op.max_memory_mb, op.batch_size, op.checkpoint, jax.default_backend())
+    key = (block_program, tuple(leaves), width, settings)
+    if key not in _MEMORY:
+        _MEMORY[key] = _choose_block(op, width)
+    return _MEMORY[key]
+
+
+def _choose_block(op, width):
+    m, n = op.shape
+    mib = 2**20
+    preferred = op._preferred_block_rows()
+    if op.batch_size is not None or m < 2:
+        return Memory(preferred, _measure(op, preferred, width) / mib, math.nan, math.nan)
+    data = sum(jnp.size(a) * jnp.result_type(a).itemsize for a in jax.tree_util.tree_leaves(op))
+    data += (m + n) * width * jnp.result_type(op.dtype, op.x1.dtype).itemsize
+    limit = op.max_memory_mb * mib + 2 * data  # the data and their cotangents: no block size removes them
+    small, large = min(8, max(1, preferred // 2)), max(preferred, 2)
+    peak_small, peak_large = _measure(op, small, width), _measure(op, large, width)
+    per_row = max((peak_large - peak_small) / (large - small), 0.0)
+    fixed = peak_small - per_row * small
+    if fixed + per_row > limit:
+        warnings.warn(
+            f"LazyKernel{op.shape}: one row of a block needs {per_row / mib:.3g} MiB of temporaries "
+            f"(checkpoint={op.checkpoint}) beside {fixed / mib:.3g} MiB that no block size changes: more than "
+            f"max_memory_mb={op.max_memory_mb} plus twice the data ({2 * data / mib:.3g} MiB); using 1 row per block",
+            stacklevel=5,
+        )
+    rows, peak = (large, peak_large) if large == preferred else (small, peak_small)
+    while peak > limit and rows > 1:  # shrink, measuring again: XLA's choices can jump
+        rows = max(1, min(rows - 1, int((limit - fixed) // max(per_row, 1.0))))
+        peak = _measure(op, rows, width)
+        per_row = max(per_row, (peak - fixed) / rows)
+    return Memory(rows, peak / mib, limit / mib, per_row / mib)
+
+
+@jax.custom_jvp
+def _warn_if_differentiated(op_and_operand):
+    """``(op, operand)`` as they are; differentiating through them warns that blocks are not checkpointed."""
+    return op_and_operand
+
+
+@_warn_if_differentiated.defjvp
+def _warn_on_derivative(primals, tangents):
+    ((op, _),) = primals
+    m, n = op.shape
+    warnings.warn(
+        f"LazyKernel{op.shape} with checkpoint=False is differentiated: reverse mode (grad, vjp) stores "
+        f"every block, at least the whole matrix ({m * n * op.dtype.itemsize / 2**20:.4g} MiB), whatever "
+        "max_memory_mb says. Pass checkpoint=True to keep gradients within the budget.",
+    )
+    return primals[0], tangents[0]
 
 
 # --------------------------------------------------------------------------
@@ -325,8 +739,9 @@ class LazyKernel:
         batch, k = x.shape[:-2], x.shape[-1]
         width = math.prod(batch) * k
         rhs = jnp.moveaxis(x, -2, 0).reshape(n, width).astype(dtype)  # every batch in one pass over K
-        x1, x2 = jnp.asarray(self.x1), jnp.asarray(self.x2)
-        out = _blockwise_matmul(self.kernel, x1, x2, rhs, self.block_rows, self.checkpoint)
+        op, rhs = (self, rhs) if self.checkpoint else _warn_if_differentiated((self, rhs))
+        block = self._preferred_block_rows() if self.batch_size else _memory(self, width).rows
+        out = _blockwise_matmul(op.kernel, jnp.asarray(op.x1), jnp.asarray(op.x2), rhs, block, self.checkpoint)
         return jnp.moveaxis(out.reshape(m, *batch, k), 0, -2)
 
     def __rmatmul__(self, other):
@@ -335,14 +750,12 @@ class LazyKernel:
             return self.T @ x
         return jnp.swapaxes(self.T @ jnp.swapaxes(x, -1, -2), -1, -2)  # X @ K = (K^T @ X^T)^T
 
-    # -- views ---------------------------------------------------------------
+    # -- blocks and memory ---------------------------------------------------
 
-    @property
-    def block_rows(self) -> int:
-        """Rows of K per block that ``K @ X`` really uses, at most ``batch_size_row``.
+    def _preferred_block_rows(self):
+        """The block before the budget is measured: ``batch_size``, or the fastest block allowed.
 
-        A given ``batch_size`` is used as it is. Otherwise, on GPU, the budget
-        decides (``batch_size_row``); on the CPU, blocks of about
+        On GPU that is ``batch_size_row``. On the CPU, blocks of about
         ``CPU_BLOCK_BYTES``, and at least ``CPU_MIN_BLOCK`` rows, ran 9x faster
         than one budget-sized block at N = 16384 (see the README's measurements).
         """
@@ -353,9 +766,29 @@ class LazyKernel:
         return max(1, min(rows, self.shape[0]))
 
     @property
+    def block_rows(self) -> int:
+        """Rows of K per block that ``K @ v`` really uses, at most ``batch_size_row``.
+
+        A given ``batch_size`` is used as it is. Otherwise the largest block,
+        up to ``_preferred_block_rows``, whose measured temporaries fit the
+        budget (see ``memory``); a wider operand may get a smaller block.
+        """
+        return self._preferred_block_rows() if self.batch_size else self.memory().rows
+
+    @property
     def block_cols(self) -> int:
-        """Columns of K per block that ``X @ K`` really uses."""
+        """Columns of K per block that ``v @ K`` really uses."""
         return self.T.block_rows
+
+    def memory(self, width: int = 1) -> Memory:
+        """XLA's temporaries for ``K @ X`` with X of ``width`` columns, measured (and cached).
+
+        The largest over the product and, with ``checkpoint=True``, its
+        gradients. ``peak_mb <= limit_mb`` (``max_memory_mb`` plus twice the
+        data) unless a warning said one row does not fit; with a given
+        ``batch_size`` the limit is ``nan``. For ``X @ K`` ask ``K.T.memory(width)``.
+        """
+        return _memory(self, width)
 
     @property
     def T(self) -> LazyKernel:
@@ -383,7 +816,8 @@ class LazyKernel:
         return (
             f"LazyKernel({self.kernel!r}, shape={self.shape}, dtype={self.dtype}, "
             f"max_memory_mb={self.max_memory_mb}, batch_size={self.batch_size}, "
-            f"block_rows={self.block_rows}, block_cols={self.block_cols}, checkpoint={self.checkpoint})"
+            f"block_rows={self.block_rows}, block_cols={self.block_cols}, checkpoint={self.checkpoint}, "
+            f"peak_mb={self.memory().peak_mb:.3g}, blocks={block_evaluation(self.kernel, self.x1.shape[1], self.dtype)!r})"
         )
 
     # -- pytree --------------------------------------------------------------
