@@ -492,16 +492,19 @@ def check_sharded():
         for shard in result.addressable_shards:
             assert_close(shard.data, expected[shard.index], jnp.float64)
 
-    def check_products(checkpoint):
+    def rbf_pair(ls, variance):  # the same RBF as a pair function: the pair program on CPU
+        return lambda a, b: variance * jnp.exp(-0.5 * jnp.sum(((a - b) / ls) ** 2))
+
+    def check_products(checkpoint, make_kernel):
         lazy = functools.partial(LazyKernel, batch_size=2, checkpoint=checkpoint)
         right = shard_map(
-            lambda x1, x2, v, ls: lazy(RBF(ls, 1.7), x1, x2) @ v,
+            lambda x1, x2, v, ls: lazy(make_kernel(ls, 1.7), x1, x2) @ v,
             mesh=mesh,
             in_specs=(P("d"), P(), P(), P()),
             out_specs=P("d"),
         )
         left = shard_map(
-            lambda x1, x2, w, ls: w @ lazy(RBF(ls, 1.7), x1, x2),
+            lambda x1, x2, w, ls: w @ lazy(make_kernel(ls, 1.7), x1, x2),
             mesh=mesh,
             in_specs=(P(), P("d"), P(), P()),
             out_specs=P(None, "d"),
@@ -511,7 +514,7 @@ def check_sharded():
         check(jax.jit(left)(put(x1, P()), put(x2, P("d")), put(w, P()), ls), w @ dense)
 
         def loss(x1, x2, v, ls):
-            local = jnp.sum(jnp.sin(lazy(RBF(ls, 1.7), x1, x2) @ v))
+            local = jnp.sum(jnp.sin(lazy(make_kernel(ls, 1.7), x1, x2) @ v))
             return jax.lax.psum(local, "d")
 
         sharded_loss = shard_map(loss, mesh=mesh, in_specs=(P("d"), P(), P(), P()), out_specs=P())
@@ -521,8 +524,9 @@ def check_sharded():
         for got, expected in zip(grads, want, strict=True):
             check(got, np.asarray(expected))
 
-    check_products(checkpoint=False)
-    check_products(checkpoint=True)
+    for kernel in (RBF, rbf_pair):
+        check_products(checkpoint=False, make_kernel=kernel)
+        check_products(checkpoint=True, make_kernel=kernel)
     print(f"sharded check passed on {count} devices in process {jax.process_index()} of {jax.process_count()}")
 
 
