@@ -142,22 +142,22 @@ jax.tree_util.register_pytree_node(VmapForm, lambda k: ((k.kernel,), None), lamb
 
 
 def user_kernels(dim):
-    """The kernels users bring, and the module's RBF, with the same hyperparameters."""
+    """The kernels users bring, and the module's RBF, each made from its lengthscales."""
     import gpjax
 
-    lengthscale = jnp.linspace(0.5, 1.5, dim, dtype=jnp.float32)
     return {
-        "lazy_kernel.RBF": RBF(lengthscale, jnp.float32(1.3)),
-        "GPJax RBF": gpjax.kernels.RBF(lengthscale=lengthscale, variance=1.3),
-        "GPJax Matern52": gpjax.kernels.Matern52(lengthscale=lengthscale, variance=1.3),
-        "pair, jnp.sum": lambda x, y: 1.3 * jnp.exp(-0.5 * jnp.sum(((x - y) / lengthscale) ** 2)),
+        "lazy_kernel.RBF": lambda ls: RBF(ls, jnp.float32(1.3)),
+        "GPJax RBF": lambda ls: gpjax.kernels.RBF(lengthscale=ls, variance=1.3),
+        "GPJax Matern52": lambda ls: gpjax.kernels.Matern52(lengthscale=ls, variance=1.3),
+        "pair, jnp.sum": lambda ls: lambda x, y: 1.3 * jnp.exp(-0.5 * jnp.sum(((x - y) / ls) ** 2)),
     }
 
 
 def kernels_table(n, n_grad):
-    """K @ v and the checkpointed gradient for users' kernels: pair program vs vmap form vs lazy_kernel.RBF."""
+    """K @ v and the checkpointed gradient (x, v, lengthscales) for users' kernels: pair program vs vmap form."""
     rows = []
     for dim in (3, 16, 64):
+        lengthscale = jnp.linspace(0.5, 1.5, dim, dtype=jnp.float32) * np.sqrt(dim / 3)
         for mode, size in (("forward", n), ("gradient", n_grad)):
             if mode == "gradient" and dim == 64:
                 continue
@@ -165,23 +165,22 @@ def kernels_table(n, n_grad):
             x = jnp.asarray(rng.normal(size=(size, dim)), jnp.float32)
             v = jnp.asarray(rng.normal(size=size), jnp.float32)
             cases = []
-            for name, kernel in user_kernels(dim).items():
-                forms = {"default": kernel} if name == "lazy_kernel.RBF" else {"default": kernel, "vmap": VmapForm(kernel)}
-                for form, k in forms.items():
-                    path = lazy_kernel.block_evaluation(k, dim)
-                    label = f"{name}, D={dim} [{form}: {path}]"
-                    block = LazyKernel(k, x, x, checkpoint=mode == "gradient").block_rows
-                    if mode == "forward":
-                        f = lambda x, v, k=k: LazyKernel(k, x, x) @ v  # noqa: E731
-                        cases.append(case(label, "K @ v", mode, size, block, f, (x, v)))
-                    else:
-                        def loss(k, x, v):
-                            return jnp.sum(jnp.sin(LazyKernel(k, x, x, checkpoint=True) @ v))
+            for name, make in user_kernels(dim).items():
+                forms = {"default": make} if name == "lazy_kernel.RBF" else {"default": make, "vmap": make}
+                for form in forms:
+                    wrap = VmapForm if form == "vmap" else lambda k: k
+                    kernel = wrap(make(lengthscale))
+                    label = f"{name}, D={dim} [{form}: {lazy_kernel.block_evaluation(kernel, dim)}]"
+                    block = LazyKernel(kernel, x, x, checkpoint=mode == "gradient").block_rows
 
-                        f = lambda k, x, v: jax.grad(loss, argnums=(0, 1, 2))(k, x, v)  # noqa: E731
-                        cases.append(case(label, "K @ v", mode, size, block, f, (k, x, v)))
+                    def loss(ls, x, v, make=make, wrap=wrap):
+                        return jnp.sum(jnp.sin(LazyKernel(wrap(make(ls)), x, x, checkpoint=True) @ v))
+
+                    f = (lambda x, v, k=kernel: LazyKernel(k, x, x) @ v) if mode == "forward" else jax.grad(loss, (0, 1, 2))
+                    args = (x, v) if mode == "forward" else (lengthscale, x, v)
+                    cases.append(case(label, "K @ v", mode, size, block, f, args))
             print(f"kernels, D = {dim}, {mode}, n = {size}", flush=True)
-            rows += measure(cases)
+            rows += measure(cases, budget_s=10.0)
     return rows
 
 
@@ -229,7 +228,8 @@ def construction_cost(n):
     x = jnp.asarray(rng.normal(size=(n, 3)), jnp.float32)
     v = jnp.asarray(rng.normal(size=n), jnp.float32)
     for checkpoint in (False, True):
-        for name, kernel in list(user_kernels(3).items())[1:3]:
+        for name, make in list(user_kernels(3).items())[1:3]:
+            kernel = make(jnp.ones(3, jnp.float32))
             start = time.perf_counter()
             LazyKernel(kernel, x, x, checkpoint=checkpoint).block_rows
             first = time.perf_counter() - start
