@@ -3,7 +3,6 @@
     python bench_lazy_kernel.py            # the README's run: about 10 minutes on 2 CPU cores
     python bench_lazy_kernel.py --quick    # a smoke run
     python bench_lazy_kernel.py --gp 100000  # a GP solve whose dense K (40 GB) would not fit
-    python bench_lazy_kernel.py --pair 16384  # ways of writing the same kernel
     python bench_lazy_kernel.py --checkpoint 8192  # what checkpoint costs and saves
 
 Everything runs in this one process on the same data (float32, D = 3, an RBF
@@ -176,7 +175,11 @@ def kernels_table(n, n_grad):
                     def loss(ls, x, v, make=make, wrap=wrap):
                         return jnp.sum(jnp.sin(LazyKernel(wrap(make(ls)), x, x, checkpoint=True) @ v))
 
-                    f = (lambda x, v, k=kernel: LazyKernel(k, x, x) @ v) if mode == "forward" else jax.grad(loss, (0, 1, 2))
+                    f = (
+                        (lambda x, v, k=kernel: LazyKernel(k, x, x) @ v)
+                        if mode == "forward"
+                        else jax.grad(loss, (0, 1, 2))
+                    )
                     args = (x, v) if mode == "forward" else (lengthscale, x, v)
                     cases.append(case(label, "K @ v", mode, size, block, f, args))
             print(f"kernels, D = {dim}, {mode}, n = {size}", flush=True)
@@ -202,20 +205,19 @@ def budget_table(n, budgets):
             x = jax.ShapeDtypeStruct((n, dim), jnp.float32)
             v = jax.ShapeDtypeStruct((n,), jnp.float32)
             kernel = make(dim)
+            zeros = jnp.zeros((n, dim), jnp.float32)
             for budget in budgets:
                 cells = []
-                for rows in ("before", None):
-                    if rows == "before":  # main's block: the budget sized one block of K, nothing measured
-                        rows = LazyKernel(kernel, jnp.zeros((n, dim)), jnp.zeros((n, dim)), max_memory_mb=budget)
-                        rows = rows._preferred_block_rows()
-                    settings = dict(batch_size=rows) if rows else dict(max_memory_mb=budget)
+                # before: the block main chose (the budget sized one block of K), nothing measured
+                before = LazyKernel(kernel, zeros, zeros, max_memory_mb=budget)._preferred_block_rows()
+                for settings in (dict(batch_size=before), dict(max_memory_mb=budget)):
 
-                    def loss(x, v, checkpoint=True):
+                    def loss(x, v, checkpoint=True, kernel=kernel, settings=settings):
                         return jnp.sum(LazyKernel(kernel, x, x, checkpoint=checkpoint, **settings) @ v)
 
-                    fwd = compiled(lambda x, v: loss(x, v, False), x, v)[1]
+                    fwd = compiled(lambda x, v, loss=loss: loss(x, v, False), x, v)[1]
                     grad = compiled(jax.grad(loss, argnums=(0, 1)), x, v)[1]
-                    used = rows or LazyKernel(kernel, jnp.zeros((n, dim)), jnp.zeros((n, dim)), **settings).block_rows
+                    used = LazyKernel(kernel, zeros, zeros, checkpoint=True, **settings).block_rows
                     cells.append(f"{used}, {fwd:.1f}, {grad:.1f}")
                 lines.append(f"| {name} | {dim} | {budget:g} | {cells[0]} | {cells[1]} |")
                 print(lines[-1], flush=True)
@@ -231,22 +233,21 @@ def construction_cost(n):
         for name, make in list(user_kernels(3).items())[1:3]:
             kernel = make(jnp.ones(3, jnp.float32))
             start = time.perf_counter()
-            LazyKernel(kernel, x, x, checkpoint=checkpoint).block_rows
+            block = LazyKernel(kernel, x, x, checkpoint=checkpoint).block_rows
             first = time.perf_counter() - start
             start = time.perf_counter()
-            LazyKernel(kernel, x, x, checkpoint=checkpoint).block_rows
+            assert LazyKernel(kernel, x, x, checkpoint=checkpoint).block_rows == block
             again = time.perf_counter() - start
-            block = LazyKernel(kernel, x, x, checkpoint=checkpoint).block_rows
             times = {}
-            for label, settings in (("given batch_size", dict(batch_size=block)), ("measured", {})):
+            for label, settings in (("given", dict(batch_size=block)), ("measured", {})):
                 start = time.perf_counter()
-                f = jax.jit(lambda x, v: LazyKernel(kernel, x, x, **settings) @ v).lower(x, v).compile()
+                f = jax.jit(lambda x, v, s=settings, k=kernel: LazyKernel(k, x, x, **s) @ v).lower(x, v).compile()
                 times[label] = (time.perf_counter() - start, _median_seconds(f, x, v, repeats=5))
             print(
-                f"  {name}, checkpoint={checkpoint}: first construction {first * 1e3:.0f} ms, again {again * 1e3:.1f} ms; "
-                f"K @ v compile + run with batch_size={block} given: {times['given batch_size'][0] * 1e3:.0f} ms + "
-                f"{times['given batch_size'][1] * 1e3:.1f} ms, measured (cached): {times['measured'][0] * 1e3:.0f} ms + "
-                f"{times['measured'][1] * 1e3:.1f} ms",
+                f"  {name}, checkpoint={checkpoint}: first construction {first * 1e3:.0f} ms, "
+                f"again {again * 1e3:.1f} ms; K @ v compile + run with batch_size={block} given: "
+                f"{times['given'][0] * 1e3:.0f} ms + {times['given'][1] * 1e3:.1f} ms, "
+                f"measured (cached): {times['measured'][0] * 1e3:.0f} ms + {times['measured'][1] * 1e3:.1f} ms",
                 flush=True,
             )
 
@@ -338,46 +339,6 @@ def run_sharded(n):
             flush=True,
         )
     return rows
-
-
-def rbf_pair(x, y):
-    """The RBF as a plain pair function, summing over the features with jnp.sum."""
-    return 1.3 * jnp.exp(-0.5 * jnp.sum(((x - y) / 0.7) ** 2))
-
-
-def rbf_pair_unrolled(x, y):
-    """The same, with the sum over the (few) features written out."""
-    return 1.3 * jnp.exp(-0.5 * sum(((x[d] - y[d]) / 0.7) ** 2 for d in range(x.shape[0])))
-
-
-class FeaturesLeading:
-    """A pair function evaluated by vmapping over the points axis of [D, n] arrays instead of [n, D]."""
-
-    def __init__(self, pair):
-        self.pair = pair
-
-    def __call__(self, x, y):
-        return self.pair(x, y)
-
-    def cross_covariance(self, x1, x2):
-        return jax.vmap(jax.vmap(self.pair, in_axes=(None, 1)), in_axes=(1, None))(x1.T, x2.T)
-
-
-def pair_kernels(n):
-    """K @ v with LazyKernel's defaults for several ways of writing the same RBF."""
-    x1, x2, v, _ = data(n)
-    kernels = {
-        "cross_covariance (GEMM form)": KERNEL,
-        "pair, jnp.sum": rbf_pair,
-        "pair, unrolled sum": rbf_pair_unrolled,
-        "pair, jnp.sum, features leading": FeaturesLeading(rbf_pair),
-    }
-    cases = []
-    for name, kernel in kernels.items():
-        block = LazyKernel(kernel, x1, x2).block_rows
-        f = lambda a, b, c, k=kernel: LazyKernel(k, a, b) @ c  # noqa: E731
-        cases.append(case(name, "K @ v", "forward", n, block, f, (x1, x2, v)))
-    return measure(cases)
 
 
 def checkpoint_cost(n):
@@ -492,7 +453,6 @@ def main():
     parser.add_argument("--sharded-worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--png", default="bench_lazy_kernel.png")
     parser.add_argument("--gp", type=int, metavar="N", help="instead: time a GP regression solve at N points")
-    parser.add_argument("--pair", type=int, metavar="N", help="instead: time ways of writing a kernel at N points")
     parser.add_argument("--checkpoint", type=int, metavar="N", help="instead: gradients with and without checkpoint")
     parser.add_argument("--kernels", type=int, metavar="N", help="instead: users' kernels, pair program vs vmap")
     parser.add_argument("--budget", type=int, metavar="N", help="instead: the budget against XLA's measured peak")
@@ -511,10 +471,9 @@ def main():
         return sharded_worker(args.sharded_worker)
     if args.gp:
         return gp_regression(args.gp)
-    if args.pair or args.checkpoint:
+    if args.checkpoint:
         print(f"machine: {machine()}", flush=True)
-        rows = pair_kernels(args.pair) if args.pair else checkpoint_cost(args.checkpoint)
-        return print("\n" + table(rows, ceiling_elements_per_second()))
+        return print("\n" + table(checkpoint_cost(args.checkpoint), ceiling_elements_per_second()))
 
     if args.quick:
         sizes, dense_sizes, dense_grad_sizes, lazy_grad_sizes = [1024, 2048], [1024, 2048], [1024], [1024, 2048]

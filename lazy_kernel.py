@@ -278,8 +278,8 @@ def _pair_program_block(kernel, xa, xb, fallbacks):
 
 
 def _run(jaxpr, consts, args, fallbacks):
-    env = dict(zip(jaxpr.invars, args))
-    env.update((var, jnp.asarray(c)[None, None]) for var, c in zip(jaxpr.constvars, consts))
+    env = dict(zip(jaxpr.invars, args, strict=True))
+    env.update((var, jnp.asarray(c)[None, None]) for var, c in zip(jaxpr.constvars, consts, strict=True))
 
     def read(var):
         if isinstance(var, jax.extend.core.Literal):
@@ -287,7 +287,7 @@ def _run(jaxpr, consts, args, fallbacks):
         return env[var]
 
     for eqn in jaxpr.eqns:
-        env.update(zip(eqn.outvars, _evaluate(eqn, [read(v) for v in eqn.invars], fallbacks)))
+        env.update(zip(eqn.outvars, _evaluate(eqn, [read(v) for v in eqn.invars], fallbacks), strict=True))
     return [read(var) for var in jaxpr.outvars]
 
 
@@ -314,8 +314,10 @@ def _evaluate(eqn, args, fallbacks):
     if name in _ELEMENTWISE:
         return _elementwise(eqn, args)
     x = args[0]
-    if not shape and isinstance(x, _Difference) and (
-        name == "reduce_sum" and x.squared or name == "dot_general" and _same_difference(x, args[1])
+    if (
+        not shape
+        and isinstance(x, _Difference)
+        and (name == "reduce_sum" and x.squared or name == "dot_general" and _same_difference(x, args[1]))
     ):  # sum((x' - y')**2) over all features, or (x' - y').(x' - y')
         if math.prod(x.row.shape[2:]) > SUM_FEATURES_MAX:  # shift, then scale, as RBF.cross_covariance does
             offset = jnp.mean(x.col, axis=1, keepdims=True)
@@ -334,7 +336,7 @@ def _evaluate(eqn, args, fallbacks):
 
 def _broadcast_in_dim(parts, params, shape):
     expanded = [1] * len(shape)
-    for axis, size in zip(params["broadcast_dimensions"], parts.shape):
+    for axis, size in zip(params["broadcast_dimensions"], parts.shape, strict=True):
         expanded[axis] = size
     return np.broadcast_to(parts.reshape(expanded), shape)
 
@@ -355,7 +357,7 @@ def _difference_rule(name, params, args):
     """x' - y' as a _Difference, negated, scaled by a constant or squared; else None."""
     x, y = (*args, None)[:2]
     if name in ("sub", "add") and not any(isinstance(a, (_Split, _Difference)) for a in args):
-        if {_side(x), _side(y)} == {"x", "y"}:
+        if {_side(x), _side(y)} == {"x", "y"} and x.shape[2:] == y.shape[2:]:
             row, col = (x, y) if _side(x) == "x" else (y, x)
             if name == "add":
                 return _Difference(row, -col)
@@ -379,11 +381,15 @@ def _difference_rule(name, params, args):
 def _same_difference(a, b):
     """Whether two unsquared _Differences are the same computation (a kernel may compute x - y twice)."""
     same = isinstance(b, _Difference) and not (a.squared or b.squared) and a.row is b.row and a.col is b.col
-    return same and len(a.scales) == len(b.scales) and all(s is t or s[1] is t[1] for s, t in zip(a.scales, b.scales))
+    return (
+        same
+        and len(a.scales) == len(b.scales)
+        and all(s[0] == t[0] and s[1] is t[1] for s, t in zip(a.scales, b.scales, strict=True))
+    )
 
 
 def _side(a):
-    """"x" for an array of x alone, "y" for one of y alone, else None."""
+    """ "x" for an array of x alone, "y" for one of y alone, else None."""
     if a.shape[1] == 1 and a.shape[0] > 1:
         return "x"
     if a.shape[0] == 1 and a.shape[1] > 1:
@@ -532,7 +538,6 @@ def _measure(op, rows, width):
     cases seen; each holds more than the product alone).
     """
     leaves, treedef = jax.tree_util.tree_flatten(op)
-    m, n = op.shape
 
     def product(leaves, rhs):
         new = jax.tree_util.tree_unflatten(treedef, leaves)
@@ -540,16 +545,18 @@ def _measure(op, rows, width):
         return _blockwise_matmul(new.kernel, x1, x2, rhs, rows, op.checkpoint)
 
     specs = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in leaves]
-    rhs = jax.ShapeDtypeStruct((n, width), jnp.result_type(op.dtype, op.x1.dtype))
+    rhs = jax.ShapeDtypeStruct((op.shape[1], width), jnp.result_type(op.dtype, op.x1.dtype))
     program = jax.make_jaxpr(product)(specs, rhs)
     # A kernel may close over tracers (a hyperparameter under jit or grad):
     # they become inputs of the measured programs, like the leaves.
     traced = [isinstance(c, jax.core.Tracer) for c in program.consts]
-    inputs = [*specs, rhs] + [jax.ShapeDtypeStruct(jnp.shape(c), c.dtype) for c, t in zip(program.consts, traced) if t]
+    inputs = [*specs, rhs] + [
+        jax.ShapeDtypeStruct(jnp.shape(c), c.dtype) for c, t in zip(program.consts, traced, strict=True) if t
+    ]
 
     def run(*inputs):
         hoisted = iter(inputs[len(specs) + 1 :])
-        consts = [next(hoisted) if t else c for c, t in zip(program.consts, traced)]
+        consts = [next(hoisted) if t else c for c, t in zip(program.consts, traced, strict=True)]
         return jax.core.eval_jaxpr(program.jaxpr, consts, *inputs[: len(specs) + 1])[0]
 
     def gradient(argnums):
@@ -616,6 +623,7 @@ def _warn_on_derivative(primals, tangents):
         f"LazyKernel{op.shape} with checkpoint=False is differentiated: reverse mode (grad, vjp) stores "
         f"every block, at least the whole matrix ({m * n * op.dtype.itemsize / 2**20:.4g} MiB), whatever "
         "max_memory_mb says. Pass checkpoint=True to keep gradients within the budget.",
+        stacklevel=1,  # the caller is inside JAX's differentiation
     )
     return primals[0], tangents[0]
 
@@ -817,7 +825,8 @@ class LazyKernel:
             f"LazyKernel({self.kernel!r}, shape={self.shape}, dtype={self.dtype}, "
             f"max_memory_mb={self.max_memory_mb}, batch_size={self.batch_size}, "
             f"block_rows={self.block_rows}, block_cols={self.block_cols}, checkpoint={self.checkpoint}, "
-            f"peak_mb={self.memory().peak_mb:.3g}, blocks={block_evaluation(self.kernel, self.x1.shape[1], self.dtype)!r})"
+            f"peak_mb={self.memory().peak_mb:.3g}, "
+            f"blocks={block_evaluation(self.kernel, self.x1.shape[1], self.dtype)!r})"
         )
 
     # -- pytree --------------------------------------------------------------

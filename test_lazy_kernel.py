@@ -714,6 +714,22 @@ def test_pair_program_blocks_match_vmap_and_dense(m, n, dim, kernel_name, dtype,
     assert fallbacks == (["sort"] if kernel_name == "sorted" and m > 1 and n > 1 else [])  # on pairs only
 
 
+@pytest.mark.parametrize(
+    "kernel, kernel_np",
+    [
+        (lambda x, y: jnp.exp(-jnp.sum((x - y[0]) ** 2)), lambda x, y: np.exp(-np.sum((x - y[0]) ** 2))),
+        (lambda x, y: jnp.exp(-jnp.dot((x - y) * 2.0, (x - y) / 2.0)), lambda x, y: np.exp(-np.dot(x - y, x - y))),
+    ],
+    ids=["vector minus scalar", "two scalings of one difference"],
+)
+def test_pair_program_keeps_near_misses_of_its_rules_apart(kernel, kernel_np):
+    rng = np.random.default_rng(18)
+    x1, x2 = points(rng, 6, 12, jnp.float64), points(rng, 5, 12, jnp.float64)
+    got = lazy_kernel._pair_program_block(kernel, x1, x2, [])
+    assert_close(got, dense_oracle(kernel_np, x1, x2), jnp.float64)
+    assert_close(got, lazy_kernel._vmap_block(kernel, x1, x2), jnp.float64)
+
+
 @pytest.mark.parametrize("dim", [3, 20])  # written out below 9 features, GEMM form above
 def test_pair_program_is_accurate_far_from_the_origin(dim):
     rng = np.random.default_rng(12)
@@ -778,7 +794,9 @@ def test_pair_program_derivatives_match_dense(name, dim):
     args = (x1, x2, v, ls, var)
     assert_close(lazy_loss(*args), dense_loss(*args), jnp.float64)
     for got, want in zip(
-        jax.jit(jax.grad(lazy_loss, argnums=range(5)))(*args), jax.grad(dense_loss, argnums=range(5))(*args), strict=True
+        jax.jit(jax.grad(lazy_loss, argnums=range(5)))(*args),
+        jax.grad(dense_loss, argnums=range(5))(*args),
+        strict=True,
     ):
         assert_close(got, want, jnp.float64)
     tangents = tuple(jnp.asarray(rng.normal(size=a.shape)) for a in args)
@@ -823,12 +841,12 @@ def test_budget_bounds_the_peak(kernel_name, dim, budget_mb, device):
     budget = budget_mb * 2**20
     leaves, treedef = jax.tree_util.tree_flatten(kernel)
     is_param = [isinstance(leaf, (jax.Array, float)) for leaf in leaves]
-    params = [jnp.asarray(leaf, jnp.float32) for leaf, p in zip(leaves, is_param) if p]  # hyperparameters
+    params = [jnp.asarray(leaf, jnp.float32) for leaf, p in zip(leaves, is_param, strict=True) if p]  # hyperparameters
 
     def lazy(params, x1, x2, checkpoint, rows):
         settings = dict(batch_size=rows) if rows else dict(max_memory_mb=budget_mb)
         it = iter(params)
-        kernel = treedef.unflatten([next(it) if p else leaf for leaf, p in zip(leaves, is_param)])
+        kernel = treedef.unflatten([next(it) if p else leaf for leaf, p in zip(leaves, is_param, strict=True)])
         return LazyKernel(kernel, x1, x2, checkpoint=checkpoint, **settings)
 
     def programs(rows):
@@ -891,7 +909,9 @@ def test_measurements_are_cached_across_traces():
     x, v = points(rng, 40, 2, jnp.float32), points(rng, 40, 1, jnp.float32)[:, 0]
     before = len(lazy_kernel._MEMORY)
     for _ in range(2):  # a fresh closure over a traced hyperparameter, traced anew: as in training loops
-        product = jax.jit(lambda s, x, v: LazyKernel(lambda a, b: scaled_laplace(a, b, s), x, x, max_memory_mb=0.01) @ v)
+        product = jax.jit(
+            lambda s, x, v: LazyKernel(lambda a, b: scaled_laplace(a, b, s), x, x, max_memory_mb=0.01) @ v
+        )
         product(1.5, x, v)
     assert len(lazy_kernel._MEMORY) == before + 1
 
