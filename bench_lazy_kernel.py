@@ -1,9 +1,11 @@
-"""Benchmark LazyKernel against the dense matrix, the seed's algorithm and an elementwise ceiling.
+"""Benchmark LazyKernel against the dense matrix, the seed's algorithm and an exp + matvec ceiling.
 
     python bench_lazy_kernel.py            # the README's run: about 10 minutes on 2 CPU cores
     python bench_lazy_kernel.py --quick    # a smoke run
     python bench_lazy_kernel.py --gp 100000  # a GP solve whose dense K (40 GB) would not fit
     python bench_lazy_kernel.py --checkpoint 8192  # what checkpoint costs and saves
+    python bench_lazy_kernel.py --kernels 8192  # users' kernels: pair program vs vmap form vs RBF (interop extra)
+    python bench_lazy_kernel.py --budget 4096  # the budget against XLA's measured peak (interop extra)
 
 Everything runs in this one process on the same data (float32, D = 3, an RBF
 kernel in GEMM form), except the multi-device row, which needs its own
@@ -107,7 +109,7 @@ def gradient(method, *settings):
     return jax.grad(loss, argnums=(0, 1))
 
 
-def ceiling_elements_per_second(n=16384, rows=64):
+def ceiling_case(n, rows):
     """exp + matvec over LazyKernel's own block structure: [rows, n] blocks, the exponential
     recomputed in every block from a precomputed block. No kernel evaluation can beat it."""
     rng = np.random.default_rng(0)
@@ -120,8 +122,24 @@ def ceiling_elements_per_second(n=16384, rows=64):
 
         return jax.lax.fori_loop(0, n // rows, body, jnp.zeros(n, jnp.float32))
 
-    f, _ = compiled(run, block, v)
-    return n * n / _median_seconds(f, block, v, repeats=5)
+    return case("ceiling: exp + matvec", "K @ v", "forward", n, rows, run, (block, v))
+
+
+def ceiling_elements_per_second(n=16384, rows=64):
+    (row,) = measure([ceiling_case(n, rows)])
+    return n * n / row["seconds"]
+
+
+def ceiling_fraction(n):
+    """lazy_kernel.RBF's default K @ v against the ceiling on its own blocks, timed round-robin together."""
+    x1, x2, v, _ = data(n)
+    block = LazyKernel(KERNEL, x1, x2).block_rows
+    lazy_case = case(
+        "lazy_kernel.RBF default", "K @ v", "forward", n, block, forward(lazy, "K @ v", False), (x1, x2, v)
+    )
+    ceiling, rbf = measure([ceiling_case(n, block), lazy_case])
+    print(f"lazy_kernel.RBF K @ v at n = {n}: {ceiling['seconds'] / rbf['seconds']:.2f} of the ceiling", flush=True)
+    return n * n / ceiling["seconds"]
 
 
 class VmapForm:
@@ -198,28 +216,38 @@ def budget_table(n, budgets):
         "GPJax RBF": lambda d: gpjax.kernels.RBF(lengthscale=jnp.linspace(0.5, 1.5, d, dtype=jnp.float32)),
         "GPJax Matern52": lambda d: gpjax.kernels.Matern52(lengthscale=jnp.float32(0.7)),
     }
-    lines = ["| kernel | D | budget MiB | before: block, forward, gradient MiB | after: block, forward, gradient MiB |"]
-    lines.append("|---|---:|---:|---|---|")
+    lines = [
+        "| kernel | D | budget MiB | limit MiB | before: blocks, forward, gradient MiB "
+        "| after: blocks, forward, gradient MiB | gradient without checkpoint |",
+        "|---|---:|---:|---:|---|---|---:|",
+    ]
     for name, make in kernels.items():
         for dim in (1, 3, 16, 64):
             x = jax.ShapeDtypeStruct((n, dim), jnp.float32)
             v = jax.ShapeDtypeStruct((n,), jnp.float32)
             kernel = make(dim)
             zeros = jnp.zeros((n, dim), jnp.float32)
+
+            def loss(x, v, checkpoint, settings, kernel=kernel):
+                return jnp.sum(LazyKernel(kernel, x, x, checkpoint=checkpoint, **settings) @ v)
+
+            stored = compiled(jax.grad(lambda x, v: loss(x, v, False, {}), argnums=(0, 1)), x, v)[1]
             for budget in budgets:
                 cells = []
                 # before: the block main chose (the budget sized one block of K), nothing measured
                 before = LazyKernel(kernel, zeros, zeros, max_memory_mb=budget)._preferred_block_rows()
                 for settings in (dict(batch_size=before), dict(max_memory_mb=budget)):
-
-                    def loss(x, v, checkpoint=True, kernel=kernel, settings=settings):
-                        return jnp.sum(LazyKernel(kernel, x, x, checkpoint=checkpoint, **settings) @ v)
-
-                    fwd = compiled(lambda x, v, loss=loss: loss(x, v, False), x, v)[1]
-                    grad = compiled(jax.grad(loss, argnums=(0, 1)), x, v)[1]
-                    used = LazyKernel(kernel, zeros, zeros, checkpoint=True, **settings).block_rows
-                    cells.append(f"{used}, {fwd:.1f}, {grad:.1f}")
-                lines.append(f"| {name} | {dim} | {budget:g} | {cells[0]} | {cells[1]} |")
+                    fwd = compiled(lambda x, v, s=settings: loss(x, v, False, s), x, v)[1]
+                    grad = compiled(jax.grad(lambda x, v, s=settings: loss(x, v, True, s), argnums=(0, 1)), x, v)[1]
+                    blocks = [
+                        LazyKernel(kernel, zeros, zeros, checkpoint=c, **settings).block_rows for c in (False, True)
+                    ]
+                    cells.append(f"{blocks[0]}/{blocks[1]}, {fwd:.1f}, {grad:.1f}")
+                limit = budget + 2 * (2 * n * dim + 2 * n) * 4 / 2**20  # x1, x2, operand, result
+                lines.append(
+                    f"| {name} | {dim} | {budget:g} | {limit:.2f} | {cells[0]} | {cells[1]} "
+                    f"| {stored * 2**20 / (4 * n * n):.1f}x the matrix |"
+                )
                 print(lines[-1], flush=True)
     return "\n".join(lines)
 
@@ -459,8 +487,9 @@ def main():
     args = parser.parse_args()
     if args.kernels:
         print(f"machine: {machine()}", flush=True)
-        ceiling = ceiling_elements_per_second(args.kernels)
-        print(f"ceiling (exp + matvec over 64-row blocks): {ceiling:.3g} elements/s", flush=True)
+        ceiling_fraction(16384)
+        x = data(args.kernels)[0]
+        ceiling = ceiling_elements_per_second(args.kernels, LazyKernel(KERNEL, x, x).block_rows)
         rows = kernels_table(args.kernels, args.kernels // 2)
         return print("\n" + table(rows, ceiling))
     if args.budget:
@@ -485,10 +514,10 @@ def main():
     label = machine()
     print(f"machine: {label}", flush=True)
     ceiling = ceiling_elements_per_second()
-    print(f"elementwise ceiling: {ceiling:.3g} elements/s", flush=True)
+    print(f"ceiling (exp + matvec over 64-row blocks): {ceiling:.3g} elements/s", flush=True)
     rows = run_single_device(sizes, dense_sizes, dense_grad_sizes, lazy_grad_sizes, sweep_n, sweep_blocks)
     rows += run_sharded(sweep_n)
-    print(f"\nmachine: {label}; elementwise ceiling {ceiling:.3g} elements/s\n")
+    print(f"\nmachine: {label}; ceiling {ceiling:.3g} elements/s\n")
     print(table(rows, ceiling))
     plot(rows, args.png, label)
     print(f"\nwrote {args.png}")
