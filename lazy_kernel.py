@@ -255,18 +255,30 @@ class _Split:
 class _Difference:
     def __init__(self, row, col, scales=(), squared=False):
         self.row, self.col = row, col  # x' [B, 1, *S] and y' [1, N, *S]
-        self.scales = scales  # ("mul" or "div", constant [1, 1, *S]) applied, in order, after subtracting
+        self.scales = scales  # ("mul" or "div", constant [1, 1, *S]), in order: the difference is scaled
         self.squared = squared
 
-    def scaled(self, a, at=...):
+    @functools.cached_property
+    def sides(self):
+        """x'' [B, 1, *S] and y'' [1, N, *S] whose difference is this one, scales applied to each side.
+
+        Scaled after a shared shift (y''s mean), as ``RBF.cross_covariance`` does,
+        so that scaling rounds no more than the difference would, equal points
+        still differ by exactly zero, and each pair costs a subtraction alone.
+        """
+        if not self.scales:
+            return self.row, self.col
+        offset = jnp.mean(self.col, axis=1, keepdims=True)
+        row, col = self.row - offset, self.col - offset
         for name, constant in self.scales:
-            a = a * constant[at] if name == "mul" else a / constant[at]
-        return a
+            row, col = (row * constant, col * constant) if name == "mul" else (row / constant, col / constant)
+        return row, col
 
     def part(self, index):
         """The [B, N] array of one feature."""
+        row, col = self.sides
         at = (slice(None), slice(None), *index)
-        a = self.scaled(self.row[at] - self.col[at], at)
+        a = row[at] - col[at]
         return a * a if self.squared else a
 
 
@@ -322,9 +334,8 @@ def _evaluate(eqn, args, fallbacks):
         and isinstance(x, _Difference)
         and (name == "reduce_sum" and x.squared or name == "dot_general" and _same_difference(x, args[1]))
     ):  # sum((x' - y')**2) over all features, or (x' - y').(x' - y')
-        if math.prod(x.row.shape[2:]) > SUM_FEATURES_MAX:  # shift, then scale, as RBF.cross_covariance does
-            offset = jnp.mean(x.col, axis=1, keepdims=True)
-            row, col = x.scaled(x.row - offset), x.scaled(x.col - offset)
+        if math.prod(x.row.shape[2:]) > SUM_FEATURES_MAX:
+            row, col = x.sides
             return [2 * _half_squared_distances(row.reshape(row.shape[0], -1), col.reshape(col.shape[1], -1))]
         return [np.sum(_split(_Difference(x.row, x.col, x.scales, squared=True)).parts)]  # written out: exact
     if name in _STRUCTURAL and (features_of_both or not arrays):
@@ -412,8 +423,8 @@ def _expand(a, rank):
 def _dense(a):
     """A block value as one array [B, N, *S]."""
     if isinstance(a, _Difference):
-        difference = a.scaled(a.row - a.col)
-        return difference * difference if a.squared else difference
+        row, col = a.sides
+        return (row - col) ** 2 if a.squared else row - col
     if isinstance(a, _Split):
         lead = jnp.broadcast_shapes(*(part.shape for part in a.parts.flat))
         parts = [jnp.broadcast_to(part, lead) for part in a.parts.flat]
