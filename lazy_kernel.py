@@ -541,7 +541,7 @@ class Memory(NamedTuple):
     per_row_mb: float  # what each row of a block adds
 
 
-_MEMORY = {}  # (what decides the peak) -> Memory
+_MEMORY = {}  # what decides the peak -> Memory; see _memory
 
 
 def _measure(op, rows, width):
@@ -583,16 +583,27 @@ def _measure(op, rows, width):
 
 
 def _memory(op, width):
-    """The block for ``op @ [N, width]`` and its measured temporaries (cached)."""
-    a = jax.ShapeDtypeStruct((2, op.x1.shape[1]), op.x1.dtype)
-    b = jax.ShapeDtypeStruct((3, op.x2.shape[1]), op.x2.dtype)
-    block_program = str(jax.make_jaxpr(functools.partial(kernel_block, op.kernel))(a, b))
-    leaves = [(jnp.shape(a), jnp.result_type(a)) for a in jax.tree_util.tree_leaves(op)]
-    settings = (op.max_memory_mb, op.batch_size, op.checkpoint, jax.default_backend())
-    key = (block_program, tuple(leaves), width, settings)
-    if key not in _MEMORY:
-        _MEMORY[key] = _choose_block(op, width)
-    return _MEMORY[key]
+    """The block for ``op @ [N, width]`` and its measured temporaries, cached by what decides them.
+
+    A pytree kernel whose leaves are all arrays is known by the operator's
+    structure (types, settings, shapes, dtypes): no tracing at all. Any other
+    (a closure built anew in every trace, say) by its block's jaxpr on small
+    blocks, which costs a trace of the kernel.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(op)
+    shapes = (tuple((jnp.shape(a), jnp.result_type(a)) for a in leaves), width, jax.default_backend())
+    structure = (treedef, shapes) if all(op._array_leaves) else None  # holds no closures (or their tracers)
+    if structure not in _MEMORY:
+        a = jax.ShapeDtypeStruct((2, op.x1.shape[1]), op.x1.dtype)
+        b = jax.ShapeDtypeStruct((3, op.x2.shape[1]), op.x2.dtype)
+        block_program = str(jax.make_jaxpr(functools.partial(kernel_block, op.kernel))(a, b))
+        key = (block_program, op.max_memory_mb, op.batch_size, op.checkpoint, shapes)
+        if key not in _MEMORY:
+            _MEMORY[key] = _choose_block(op, width)
+        if structure is None:
+            return _MEMORY[key]
+        _MEMORY[structure] = _MEMORY[key]
+    return _MEMORY[structure]
 
 
 def _choose_block(op, width):
