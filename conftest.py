@@ -20,7 +20,7 @@ settings.register_profile(
 )
 settings.register_profile(
     "dev",
-    max_examples=40,
+    max_examples=15,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )

@@ -7,13 +7,27 @@ but computes K a block of rows at a time inside a ``jax.lax.fori_loop``:
         out[I] = K(x1[I], x2) @ X          # one [block, N] piece of K at a time
 
 so memory is one block plus the output, not the [M, N] matrix. ``X @ K``
-runs the same loop over blocks of columns (the rows of the transpose).
-With ``checkpoint=True`` every block is recomputed in the backward pass
-instead of stored, so gradients stay a few blocks too.
+runs the same loop over blocks of columns. With ``checkpoint=True`` every
+block is recomputed in the backward pass instead of stored, so gradients
+stay a few blocks too.
+
+Reading map. The core comes first and runs alone:
+
+1. Kernels: the two protocols, ``RBF`` and ``kernel_block`` (one block of K).
+2. The engine: ``_blockwise_matmul``, the loop above.
+3. The operator: ``LazyKernel``, with CAGPJax's batch-size arithmetic.
+
+Two optional layers follow, each entered through one function the core calls
+and each with a switch (set it before tracing; ``jit`` keeps what it traced):
+
+4. ``PAIR_PROGRAM``: on CPU, blocks from the kernel's own program run on
+   whole blocks (``_pair_program_block``): the vmap form's numbers, faster.
+5. ``MEASURED_BLOCKS``: the block size from XLA's measured peak, so that the
+   budget bounds the real memory, gradients included (``_measured_block``).
+
+6. ``python lazy_kernel.py`` checks a machine against a dense NumPy oracle.
 
 The file depends on ``jax`` alone: copy it into your project if you like.
-Run ``python lazy_kernel.py`` to check a machine (CPU or GPU) against a
-dense NumPy oracle.
 """
 
 from __future__ import annotations
@@ -32,11 +46,14 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["CrossCovarianceKernel", "LazyKernel", "PairKernel", "RBF", "kernel_block"]
+__all__ = ["CrossCovarianceKernel", "LazyKernel", "Measurement", "PairKernel", "RBF", "kernel_block"]
+
+PAIR_PROGRAM = True  # layer 4; False: every block is the vmap form (or the kernel's cross_covariance)
+MEASURED_BLOCKS = True  # layer 5; False: blocks of batch_size_row rows, the seed's arithmetic
 
 
 # --------------------------------------------------------------------------
-# Kernel protocols
+# 1. Kernels
 # --------------------------------------------------------------------------
 
 
@@ -55,87 +72,19 @@ class PairKernel(Protocol):
 class CrossCovarianceKernel(PairKernel, Protocol):
     """A pair kernel that can also fill a whole block: ``[m, D], [n, D] -> [m, n]``.
 
-    When a kernel has ``cross_covariance``, every block is computed with it:
-    this is the fast path (GPJax's kernels have it).
+    Its blocks come from ``cross_covariance``, unless that is exactly the vmap
+    of the pair call (as GPJax's is): then the pair program may run instead.
     """
 
     def cross_covariance(self, x1: jax.Array, x2: jax.Array) -> jax.Array: ...
-
-
-def kernel_block(kernel: PairKernel, xa: jax.Array, xb: jax.Array) -> jax.Array:
-    """The dense block K(xa, xb), shape [len(xa), len(xb)], evaluated as ``block_evaluation`` says."""
-    if _own_cross_covariance(kernel, xa, xb):
-        return kernel.cross_covariance(xa, xb)
-    if jax.default_backend() == "cpu" and xa.shape[0] and xb.shape[0]:
-        return _pair_program_block(kernel, xa, xb, fallbacks=[])
-    return _vmap_block(kernel, xa, xb)
-
-
-def _vmap_block(kernel, xa, xb):
-    """The block by vmapping the pair call: the reference every faster form must equal."""
-    return jax.vmap(jax.vmap(kernel, in_axes=(None, 0)), in_axes=(0, None))(xa, xb)
-
-
-def _own_cross_covariance(kernel, xa, xb):
-    """Whether ``kernel`` has a ``cross_covariance`` that is more than a vmap of its pair call.
-
-    GPJax's kernels have one that is exactly ``_vmap_block``; the module's
-    ``RBF`` has a GEMM form. The two are told apart by their jaxprs on small
-    blocks of the same dtypes.
-    """
-    if not hasattr(kernel, "cross_covariance"):
-        return False
-    a = jax.ShapeDtypeStruct((2, xa.shape[1]), xa.dtype)
-    b = jax.ShapeDtypeStruct((3, xb.shape[1]), xb.dtype)
-    own = jax.make_jaxpr(kernel.cross_covariance)(a, b)
-    return str(own) != str(jax.make_jaxpr(functools.partial(_vmap_block, kernel))(a, b))
-
-
-def block_evaluation(kernel: PairKernel, dim: int, dtype=jnp.float32) -> str:
-    """How blocks of ``kernel`` on ``dim`` features are computed on the default backend.
-
-    ``"cross_covariance"`` (the kernel's own), ``"vmap"`` (of the pair call;
-    off CPU), or ``"pair program"`` (CPU, see the section on fast blocks),
-    followed by the equations that the pair program evaluates by vmap, if any.
-    """
-    a, b = jax.ShapeDtypeStruct((2, dim), dtype), jax.ShapeDtypeStruct((3, dim), dtype)
-    if _own_cross_covariance(kernel, a, b):
-        return "cross_covariance"
-    if jax.default_backend() != "cpu":
-        return "vmap"
-    fallbacks = []
-    jax.eval_shape(functools.partial(_pair_program_block, kernel, fallbacks=fallbacks), a, b)
-    return "pair program" + (f" (by vmap: {', '.join(sorted(set(fallbacks)))})" if fallbacks else "")
-
-
-def _half_squared_distances(a, b):
-    """``|a_i - b_j|^2 / 2`` for a [m, K] and b [n, K], shape [m, n], from one GEMM.
-
-    ``[a, -|a|^2/2, 1] . [b, 1, -|b|^2/2]`` is ``a.b - |a|^2/2 - |b|^2/2``, the
-    negated result, for any K, with nothing left to do but a clamp: on CPU it
-    ran 1.13x faster than adding the norms to ``a.b`` after the product. Made
-    careful: both inputs are shifted by b's mean so points far from the origin
-    do not cancel catastrophically, the product runs at full float32 precision
-    even on TF32 GPUs, and the result is clamped at zero.
-    """
-    offset = jnp.mean(b, axis=0) if b.shape[0] else 0.0
-    a, b = a - offset, b - offset
-    # Squared norms summed over the leading axis of a.T: XLA on CPU runs a
-    # sum over a tiny trailing axis (features) several times slower.
-    half_a, half_b = -0.5 * jnp.sum(a.T**2, axis=0)[:, None], -0.5 * jnp.sum(b.T**2, axis=0)[:, None]
-    a = jnp.concatenate([a, half_a, jnp.ones_like(half_a)], axis=1)
-    b = jnp.concatenate([b, jnp.ones_like(half_b), half_b], axis=1)
-    return -jnp.minimum(jnp.matmul(a, b.T, precision=jax.lax.Precision.HIGHEST), 0.0)
 
 
 @jax.tree_util.register_pytree_node_class
 class RBF:
     """Squared-exponential kernel ``variance * exp(-|x - y|^2 / (2 lengthscale^2))``.
 
-    A reference for both protocols. ``lengthscale`` may be a scalar or one
-    value per feature. ``cross_covariance`` uses the careful GEMM form of
-    ``_half_squared_distances``, on points shifted by the mean of x2 before they
-    are scaled, so that even the scaling does not round away small distances.
+    ``lengthscale`` may be a scalar or one value per feature. Each difference
+    is taken before it is scaled, so equal points give exactly ``variance``.
     """
 
     def __init__(self, lengthscale=1.0, variance=1.0):
@@ -145,11 +94,6 @@ class RBF:
     def __call__(self, x, y):
         r = (x - y) / self.lengthscale
         return self.variance * jnp.exp(-0.5 * jnp.sum(r * r))
-
-    def cross_covariance(self, x1, x2):
-        offset = jnp.mean(x2, axis=0) if x2.shape[0] else 0.0
-        half_sq_dist = _half_squared_distances((x1 - offset) / self.lengthscale, (x2 - offset) / self.lengthscale)
-        return self.variance * jnp.exp(-half_sq_dist)
 
     def __repr__(self):
         return f"RBF(lengthscale={self.lengthscale}, variance={self.variance})"
@@ -164,44 +108,46 @@ class RBF:
         return kernel
 
 
-@jax.tree_util.register_pytree_node_class
-class _Transposed:
-    """The kernel (x, y) -> kernel(y, x): what ``LazyKernel.T`` evaluates."""
+def kernel_block(kernel: PairKernel, xa: jax.Array, xb: jax.Array, *, transposed: bool = False) -> jax.Array:
+    """The dense block ``K[i, j] = kernel(xa[i], xb[j])``, shape [len(xa), len(xb)].
 
-    def __init__(self, kernel):
-        self.kernel = kernel
+    With ``transposed``, ``kernel(xb[j], xa[i])``: a block of the transpose,
+    computed as it is rather than transposed afterwards. The pair program
+    where it applies (layer 4), else the kernel's ``cross_covariance``, else
+    the vmap form: the reference.
+    """
+    if PAIR_PROGRAM and jax.default_backend() == "cpu":
+        block = _pair_program_block(kernel, xa, xb, transposed)
+        if block is not None:
+            return block
+    if hasattr(kernel, "cross_covariance"):
+        return kernel.cross_covariance(xb, xa).T if transposed else kernel.cross_covariance(xa, xb)
+    return _vmap_block(kernel, xa, xb, transposed)
 
-    def __call__(self, x, y):
-        return self.kernel(y, x)
 
-    def cross_covariance(self, x1, x2):
-        return kernel_block(self.kernel, x2, x1).T
+def _vmap_block(kernel, xa, xb, transposed=False):
+    """The block by vmapping the pair call: what GPJax computes, and what every faster form must equal."""
+    pair = (lambda x, y: kernel(y, x)) if transposed else kernel
+    return jax.vmap(jax.vmap(pair, in_axes=(None, 0)), in_axes=(0, None))(xa, xb)
 
-    def __repr__(self):
-        return f"transposed({self.kernel!r})"
 
-    def tree_flatten(self):
-        return (self.kernel,), None
-
-    @classmethod
-    def tree_unflatten(cls, _, children):
-        return cls(*children)
+def _probe_blocks(dim, dtype):
+    """Abstract [2, D] and [3, D] blocks: small, and of different sizes so that rows and columns differ."""
+    return jax.ShapeDtypeStruct((2, dim), dtype), jax.ShapeDtypeStruct((3, dim), dtype)
 
 
 def _check_kernel(kernel, dim, dtype):
     """The dtype ``kernel`` returns, checking its shapes without evaluating it."""
     point = jax.ShapeDtypeStruct((dim,), dtype)
-    protocol = "a kernel is called on one pair of points, kernel(x: [D], y: [D]) -> scalar"
-    out = jax.eval_shape(kernel, point, point)
+    out = jax.eval_shape(lambda x, y: kernel(x, y), point, point)
     if not hasattr(out, "shape") or out.shape != ():
         shape = getattr(out, "shape", type(out).__name__)
-        raise TypeError(f"{protocol}; kernel({dim}-vector, {dim}-vector) returned {shape}")
-    if hasattr(kernel, "cross_covariance"):
-        block = jax.eval_shape(
-            kernel.cross_covariance,
-            jax.ShapeDtypeStruct((2, dim), dtype),
-            jax.ShapeDtypeStruct((3, dim), dtype),
+        raise TypeError(
+            "a kernel is called on one pair of points, kernel(x: [D], y: [D]) -> scalar; "
+            f"kernel({dim}-vector, {dim}-vector) returned {shape}"
         )
+    if hasattr(kernel, "cross_covariance"):
+        block = jax.eval_shape(kernel.cross_covariance, *_probe_blocks(dim, dtype))
         if getattr(block, "shape", None) != (2, 3):
             raise TypeError(
                 "cross_covariance(x1: [m, D], x2: [n, D]) must return [m, n]; "
@@ -211,263 +157,31 @@ def _check_kernel(kernel, dim, dtype):
 
 
 # --------------------------------------------------------------------------
-# Fast blocks for pair kernels: the kernel's own program, run on a block
+# 2. The engine
 # --------------------------------------------------------------------------
-#
-# ``_vmap_block`` turns a pair kernel into a [b, n, D] computation, and XLA on
-# CPU runs its sum over the tiny feature axis D several times slower than
-# the exponential after it. A hand-written kernel avoids that by writing the
-# feature sum out. ``_pair_program_block`` does the same for any pair kernel:
-# it runs the kernel's jaxpr (its program on one pair of points) once for the
-# whole block, keeping each value of shape S (say [D] or []) in the cheapest
-# exact form:
-#
-# - an array [B, N, *S], B in {1, b} and N in {1, n}: a value of x alone is
-#   [b, 1, *S], of y alone [1, n, *S], of neither [1, 1, *S], a scalar of
-#   both [b, n]. These broadcast against each other like NumPy arrays, so
-#   whatever depends on one point is computed once per point, not per pair.
-# - ``_Split``: a value of both points with features, as a NumPy object array
-#   of shape S holding [b, n] arrays. A sum over features is then a Python
-#   sum of D arrays: the hand-written kernel.
-# - ``_Difference``: x' - y', of x alone and y alone, not yet computed, so that
-#   ``sum((x' - y')**2)`` becomes ``2 * _half_squared_distances(x', y')``, one GEMM,
-#   when there are more than ``SUM_FEATURES_MAX`` features (else the sum is
-#   written out, which is exact and as fast).
-#
-# An equation the rules below do not cover is evaluated by ``jax.vmap`` on
-# its own, so every result is what ``_vmap_block`` computes.
-
-SUM_FEATURES_MAX = 8  # more features: their squared distances in GEMM form (bench_lazy_kernel.py --kernels)
-
-_ELEMENTWISE = frozenset(
-    "abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type copy copy_p cos "
-    "cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt integer_pow is_finite le lgamma log log1p "
-    "logistic lt max min mul ne neg nextafter not or pow reduce_precision rem round rsqrt select_n sign sin sinh "
-    "sqrt square sub tan tanh xor".split()
-)
 
 
-class _Split:
-    def __init__(self, parts):
-        self.parts = parts  # a NumPy object array of shape S holding [B, N] arrays
+def _blockwise_matmul(rows_times, points, rhs_width, dtype, block, checkpoint, inputs):
+    """``out[I] = rows_times(points[I])`` for blocks I of ``block`` (<= len(points)) points.
 
-
-class _Difference:
-    def __init__(self, row, col, scales=(), squared=False):
-        self.row, self.col = row, col  # x' [B, 1, *S] and y' [1, N, *S]
-        self.scales = scales  # ("mul" or "div", constant [1, 1, *S]), in order: the difference is scaled
-        self.squared = squared
-
-    @functools.cached_property
-    def sides(self):
-        """x'' [B, 1, *S] and y'' [1, N, *S] whose difference is this one, scales applied to each side.
-
-        Scaled after a shared shift (y''s mean), as ``RBF.cross_covariance`` does,
-        so that scaling rounds no more than the difference would, equal points
-        still differ by exactly zero, and each pair costs a subtraction alone.
-        """
-        if not self.scales:
-            return self.row, self.col
-        offset = jnp.mean(self.col, axis=1, keepdims=True)
-        row, col = self.row - offset, self.col - offset
-        for name, constant in self.scales:
-            row, col = (row * constant, col * constant) if name == "mul" else (row / constant, col / constant)
-        return row, col
-
-    def part(self, index):
-        """The [B, N] array of one feature."""
-        row, col = self.sides
-        at = (slice(None), slice(None), *index)
-        a = row[at] - col[at]
-        return a * a if self.squared else a
-
-
-def _pair_program_block(kernel, xa, xb, fallbacks):
-    """The block K(xa, xb) from the kernel's jaxpr run on whole blocks (see above).
-
-    ``fallbacks`` collects the names of the equations evaluated by vmap.
+    ``rows_times(p)`` is the product of K's rows at the points p with the
+    operand, [len(p), rhs_width]. ``inputs`` are the arrays it depends on.
     """
-    program = jax.make_jaxpr(kernel)(xa[0], xb[0])
-    (out,) = _run(program.jaxpr, program.consts, [xa[:, None, :], xb[None, :, :]], fallbacks)
-    return jnp.broadcast_to(_dense(out), (xa.shape[0], xb.shape[0]))
+    n = points.shape[0]
+    if checkpoint:
+        rows_times = jax.checkpoint(rows_times, prevent_cse=False)
 
+    def body(i, out):
+        start = jnp.minimum(i * block, n - block)  # the last block overlaps the one before it
+        rows = jax.lax.dynamic_slice_in_dim(points, start, block)
+        return jax.lax.dynamic_update_slice_in_dim(out, rows_times(rows), start, axis=0)
 
-def _run(jaxpr, consts, args, fallbacks):
-    env = dict(zip(jaxpr.invars, args, strict=True))
-    env.update((var, jnp.asarray(c)[None, None]) for var, c in zip(jaxpr.constvars, consts, strict=True))
-
-    def read(var):
-        if isinstance(var, jax.extend.core.Literal):
-            return jnp.asarray(var.val, var.aval.dtype)[None, None]
-        return env[var]
-
-    for eqn in jaxpr.eqns:
-        env.update(zip(eqn.outvars, _evaluate(eqn, [read(v) for v in eqn.invars], fallbacks), strict=True))
-    return [read(var) for var in jaxpr.outvars]
-
-
-def _evaluate(eqn, args, fallbacks):
-    """The outputs of one equation on block values: the rules of this section."""
-    name, params = eqn.primitive.name, eqn.params
-    shape = eqn.outvars[0].aval.shape
-    arrays = not any(isinstance(a, (_Split, _Difference)) for a in args)
-    if name in ("pjit", "jit", "closed_call"):
-        inner = params["jaxpr"] if "jaxpr" in params else params["call_jaxpr"]
-        return _run(inner.jaxpr, inner.consts, args, fallbacks)
-    if arrays and all(a.shape[:2] == (1, 1) for a in args):  # a value of neither point
-        return [out[None, None] for out in _bind(eqn, [a[0, 0] for a in args])]
-    difference = _difference_rule(name, params, args) if len(args) in (1, 2) else None
-    if difference is not None:
-        return [difference]
-    features_of_both = bool(shape) and not (arrays and _one_sided(args))
-    if name in _ELEMENTWISE and features_of_both:  # one array per feature
-        split = [_split(a, shape) for a in args]
-        parts = np.empty(shape, object)
-        for index in np.ndindex(shape):
-            (parts[index],) = _elementwise(eqn, [s.parts[index] for s in split])
-        return [_Split(parts)]
-    if name in _ELEMENTWISE:
-        return _elementwise(eqn, args)
-    x = args[0]
-    if (
-        not shape
-        and isinstance(x, _Difference)
-        and (name == "reduce_sum" and x.squared or name == "dot_general" and _same_difference(x, args[1]))
-    ):  # sum((x' - y')**2) over all features, or (x' - y').(x' - y')
-        if math.prod(x.row.shape[2:]) > SUM_FEATURES_MAX:
-            row, col = x.sides
-            return [2 * _half_squared_distances(row.reshape(row.shape[0], -1), col.reshape(col.shape[1], -1))]
-        return [np.sum(_split(_Difference(x.row, x.col, x.scales, squared=True)).parts)]  # written out: exact
-    if name in _STRUCTURAL and (features_of_both or not arrays):
-        parts = _STRUCTURAL[name]([_split(a).parts for a in args], params, shape)
-        return [_Split(parts) if shape else parts[()] if isinstance(parts, np.ndarray) else parts]
-    if name == "dot_general" and not shape and arrays and x.ndim == 3 and (_side(x), _side(args[1])) == ("x", "y"):
-        return [jnp.matmul(x[:, 0], args[1][0].T, precision=params["precision"])]  # x' . y' of vectors: a GEMM
-    if not (arrays and _one_sided(args)):
-        fallbacks.append(name)  # on values of both points: what block_evaluation reports
-    return _by_vmap(eqn, args)
-
-
-def _broadcast_in_dim(parts, params, shape):
-    expanded = [1] * len(shape)
-    for axis, size in zip(params["broadcast_dimensions"], parts.shape, strict=True):
-        expanded[axis] = size
-    return np.broadcast_to(parts.reshape(expanded), shape)
-
-
-_STRUCTURAL = {  # NumPy's twins of JAX's structural primitives, on object arrays of [B, N] arrays
-    "broadcast_in_dim": lambda p, params, shape: _broadcast_in_dim(p[0], params, shape),
-    "concatenate": lambda p, params, shape: np.concatenate(p, axis=params["dimension"]),
-    "reduce_prod": lambda p, params, shape: np.prod(p[0], axis=tuple(params["axes"])),
-    "reduce_sum": lambda p, params, shape: np.sum(p[0], axis=tuple(params["axes"])),
-    "reshape": lambda p, params, shape: p[0].reshape(shape),
-    "squeeze": lambda p, params, shape: p[0].reshape(shape),
-    "stack": lambda p, params, shape: np.stack(p, axis=params["axis"]),
-    "transpose": lambda p, params, shape: p[0].transpose(params["permutation"]),
-}
-
-
-def _difference_rule(name, params, args):
-    """x' - y' as a _Difference, negated, scaled by a constant or squared; else None."""
-    x, y = (*args, None)[:2]
-    if name in ("sub", "add") and not any(isinstance(a, (_Split, _Difference)) for a in args):
-        if {_side(x), _side(y)} == {"x", "y"} and x.shape[2:] == y.shape[2:]:
-            row, col = (x, y) if _side(x) == "x" else (y, x)
-            if name == "add":
-                return _Difference(row, -col)
-            return _Difference(row, col) if row is x else _Difference(-row, -col)
-        return None
-    if not isinstance(x, _Difference) or x.squared:
-        if name == "mul" and isinstance(y, _Difference) and not y.squared:
-            return _difference_rule(name, params, [y, x])  # constant * difference
-        return None
-    if name == "neg":
-        return _Difference(x.row, x.col, (*x.scales, ("mul", jnp.full((1, 1, *x.row.shape[2:]), -1, x.row.dtype))))
-    if name in ("integer_pow", "square") and params.get("y", 2) == 2 or name == "mul" and _same_difference(x, y):
-        return _Difference(x.row, x.col, x.scales, squared=True)
-    constant = name in ("mul", "div") and not isinstance(y, (_Split, _Difference)) and y.shape[:2] == (1, 1)
-    if constant and y.ndim <= x.row.ndim:
-        constant = jnp.broadcast_to(_expand(y, x.row.ndim - 2), (1, 1, *x.row.shape[2:]))
-        return _Difference(x.row, x.col, (*x.scales, (name, constant)))
-    return None
-
-
-def _same_difference(a, b):
-    """Whether two unsquared _Differences are the same computation (a kernel may compute x - y twice)."""
-    same = isinstance(b, _Difference) and not (a.squared or b.squared) and a.row is b.row and a.col is b.col
-    return (
-        same
-        and len(a.scales) == len(b.scales)
-        and all(s[0] == t[0] and s[1] is t[1] for s, t in zip(a.scales, b.scales, strict=True))
-    )
-
-
-def _side(a):
-    """ "x" for an array of x alone, "y" for one of y alone, else None."""
-    if a.shape[1] == 1 and a.shape[0] > 1:
-        return "x"
-    if a.shape[0] == 1 and a.shape[1] > 1:
-        return "y"
-    return None
-
-
-def _one_sided(args):
-    return not (any(a.shape[0] > 1 for a in args) and any(a.shape[1] > 1 for a in args))
-
-
-def _expand(a, rank):
-    """[B, N, *S] with ones inserted after B, N up to ``rank`` trailing axes, for broadcasting."""
-    return a.reshape(a.shape[:2] + (1,) * (rank + 2 - a.ndim) + a.shape[2:])
-
-
-def _dense(a):
-    """A block value as one array [B, N, *S]."""
-    if isinstance(a, _Difference):
-        row, col = a.sides
-        return (row - col) ** 2 if a.squared else row - col
-    if isinstance(a, _Split):
-        lead = jnp.broadcast_shapes(*(part.shape for part in a.parts.flat))
-        parts = [jnp.broadcast_to(part, lead) for part in a.parts.flat]
-        return jnp.stack(parts, axis=-1).reshape(lead + a.parts.shape)
-    return a
-
-
-def _split(a, shape=None):
-    """A block value as a _Split of [B, N] arrays, broadcast to ``shape`` if given."""
-    if isinstance(a, _Split):
-        return a if shape is None else _Split(np.broadcast_to(a.parts, shape))
-    parts = np.empty(a.row.shape[2:] if isinstance(a, _Difference) else a.shape[2:], object)
-    for index in np.ndindex(parts.shape):
-        parts[index] = a.part(index) if isinstance(a, _Difference) else a[(slice(None), slice(None), *index)]
-    return _Split(parts if shape is None else np.broadcast_to(parts, shape))
-
-
-def _bind(eqn, args):
-    params = eqn.primitive.get_bind_params(eqn.params)
-    subfuns, params = params if isinstance(params, tuple) else ((), params)  # JAX < 0.5: (subfuns, params)
-    out = eqn.primitive.bind(*subfuns, *args, **params)
-    return out if eqn.primitive.multiple_results else [out]
-
-
-def _elementwise(eqn, args):
-    args = [_dense(a) for a in args]
-    rank = max(a.ndim for a in args) - 2
-    args = [_expand(a, rank) for a in args]
-    shape = jnp.broadcast_shapes(*(a.shape for a in args))
-    return _bind(eqn, [jnp.broadcast_to(a, shape) for a in args])
-
-
-def _by_vmap(eqn, args):
-    """Any equation: vmapped over the two leading axes, as ``_vmap_block`` would."""
-    args = [_dense(a) for a in args]
-    lead = jnp.broadcast_shapes(*(a.shape[:2] for a in args))
-    args = [jnp.broadcast_to(a, lead + a.shape[2:]) for a in args]
-    return jax.vmap(jax.vmap(lambda *a: _bind(eqn, a)))(*args)
-
-
-# --------------------------------------------------------------------------
-# The blockwise engine
-# --------------------------------------------------------------------------
+    # Every block has the same size, so that no separate remainder block runs
+    # beside the loop (XLA would keep both alive: almost twice the peak). The
+    # rows the last block shares with the one before are computed and written
+    # twice, with the same values.
+    out = _zeros_varying_like((n, rhs_width), dtype, inputs)
+    return jax.lax.fori_loop(0, -(-n // block), body, out) if n else out
 
 
 def _is_array(leaf):
@@ -488,178 +202,9 @@ def _zeros_varying_like(shape, dtype, tree):
     return jnp.broadcast_to(zero, shape)
 
 
-def _blockwise_matmul(kernel, rows, cols, rhs, block, checkpoint):
-    """``K(rows, cols) @ rhs`` for rhs [len(cols), B], ``block`` (at most len(rows)) rows of K at a time."""
-    n = rows.shape[0]
-    dtype = rhs.dtype
-
-    def product(row_block):
-        if isinstance(kernel, _Transposed):  # contract K's block along its rows: no transposed copy
-            block = kernel_block(kernel.kernel, cols, row_block).astype(dtype)
-            return jnp.einsum("nb,nk->bk", block, rhs)
-        return jnp.matmul(kernel_block(kernel, row_block, cols).astype(dtype), rhs)
-
-    if checkpoint:
-        product = jax.checkpoint(product, prevent_cse=False)
-
-    def body(i, out):
-        start = jnp.minimum(i * block, n - block)  # the last block overlaps the one before it
-        row_block = jax.lax.dynamic_slice_in_dim(rows, start, block)
-        return jax.lax.dynamic_update_slice_in_dim(out, product(row_block), start, axis=0)
-
-    # Every block has the same size, so that no separate remainder block runs
-    # beside the loop (XLA would keep both alive: almost twice the peak). The
-    # rows the last block shares with the one before are computed twice and
-    # written twice, with the same values.
-    out = _zeros_varying_like((n, rhs.shape[1]), dtype, (kernel, rows, cols, rhs))
-    return jax.lax.fori_loop(0, -(-n // block), body, out) if n else out
-
-
 # --------------------------------------------------------------------------
-# The memory budget, measured with XLA's own accounting
+# 3. The operator
 # --------------------------------------------------------------------------
-#
-# One block of K is not the peak. XLA keeps whatever temporaries the kernel's
-# computation needs (a pair kernel's checkpointed gradient holds about D + 1
-# blocks), and arrays the size of the data (inputs, operand, result, their
-# cotangents) that no block size changes. So the block comes from a
-# measurement on the backend in use: the product, and with checkpoint=True its
-# gradients, are compiled on abstract inputs at two block sizes, and XLA's
-# ``temp_size_in_bytes`` is fitted as ``fixed + per_row * rows``. The block is
-# the most rows whose temporaries stay within the limit, ``max_memory_mb``
-# plus twice the data (x1, x2, the kernel's arrays, operand and result: them
-# and their cotangents); it is measured at that size (XLA's choices can
-# jump), and shrunk until it fits.
-
-
-class Memory(NamedTuple):
-    """XLA's temporaries for one product (the largest over the programs measured), in MiB."""
-
-    rows: int  # rows of K per block
-    peak_mb: float  # the temporaries at that block
-    limit_mb: float  # max_memory_mb + twice the data (x1, x2, kernel arrays, operand, result)
-    per_row_mb: float  # what each row of a block adds
-
-
-_MEMORY = {}  # what decides the peak -> Memory; see _memory
-
-
-def _measure(op, rows, width):
-    """XLA's temporaries in bytes for ``op @ [N, width]`` at ``rows`` rows per block.
-
-    With ``checkpoint``, the largest of the reverse-mode gradients of its sum
-    with respect to (x1, operand), (x2, operand) and all inputs (the worst
-    cases seen; each holds more than the product alone).
-    """
-    leaves, treedef = jax.tree_util.tree_flatten(op)
-
-    def product(leaves, rhs):
-        new = jax.tree_util.tree_unflatten(treedef, leaves)
-        x1, x2 = jnp.asarray(new.x1), jnp.asarray(new.x2)
-        return _blockwise_matmul(new.kernel, x1, x2, rhs, rows, op.checkpoint)
-
-    specs = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in leaves]
-    rhs = jax.ShapeDtypeStruct((op.shape[1], width), jnp.result_type(op.dtype, op.x1.dtype))
-    program = jax.make_jaxpr(product)(specs, rhs)
-    # A kernel may close over tracers (a hyperparameter under jit or grad):
-    # they become inputs of the measured programs, like the leaves.
-    traced = [isinstance(c, jax.core.Tracer) for c in program.consts]
-    inputs = [*specs, rhs] + [
-        jax.ShapeDtypeStruct(jnp.shape(c), c.dtype) for c, t in zip(program.consts, traced, strict=True) if t
-    ]
-
-    def run(*inputs):
-        hoisted = iter(inputs[len(specs) + 1 :])
-        consts = [next(hoisted) if t else c for c, t in zip(program.consts, traced, strict=True)]
-        return jax.core.eval_jaxpr(program.jaxpr, consts, *inputs[: len(specs) + 1])[0]
-
-    def gradient(argnums):
-        argnums = tuple(i for i in argnums if jnp.issubdtype(inputs[i].dtype, jnp.inexact))
-        return jax.grad(lambda *a: jnp.sum(run(*a)), argnums)
-
-    x1, x2, v = len(leaves) - 2, len(leaves) - 1, len(leaves)
-    programs = [gradient((x1, v)), gradient((x2, v)), gradient(range(len(inputs)))] if op.checkpoint else [run]
-    return max(jax.jit(f).lower(*inputs).compile().memory_analysis().temp_size_in_bytes for f in programs)
-
-
-def _memory(op, width):
-    """The block for ``op @ [N, width]`` and its measured temporaries, cached by what decides them.
-
-    A pytree kernel whose leaves are all arrays is known by the operator's
-    structure (types, settings, shapes, dtypes): no tracing at all. Any other
-    (a closure built anew in every trace, say) by its block's jaxpr on small
-    blocks, which costs a trace of the kernel.
-    """
-    leaves, treedef = jax.tree_util.tree_flatten(op)
-    shapes = (tuple((jnp.shape(a), jnp.result_type(a)) for a in leaves), width, jax.default_backend())
-    structure = (treedef, shapes) if all(op._array_leaves) else None  # holds no closures (or their tracers)
-    if structure not in _MEMORY:
-        a = jax.ShapeDtypeStruct((2, op.x1.shape[1]), op.x1.dtype)
-        b = jax.ShapeDtypeStruct((3, op.x2.shape[1]), op.x2.dtype)
-        block_program = str(jax.make_jaxpr(functools.partial(kernel_block, op.kernel))(a, b))
-        key = (block_program, op.max_memory_mb, op.batch_size, op.checkpoint, shapes)
-        if key not in _MEMORY:
-            _MEMORY[key] = _choose_block(op, width)
-        if structure is None:
-            return _MEMORY[key]
-        _MEMORY[structure] = _MEMORY[key]
-    return _MEMORY[structure]
-
-
-def _choose_block(op, width):
-    m, n = op.shape
-    mib = 2**20
-    preferred = op._preferred_block_rows()
-    if op.batch_size is not None or m < 2:
-        return Memory(preferred, _measure(op, preferred, width) / mib, math.nan, math.nan)
-    data = sum(jnp.size(a) * jnp.result_type(a).itemsize for a in jax.tree_util.tree_leaves(op))
-    data += (m + n) * width * jnp.result_type(op.dtype, op.x1.dtype).itemsize
-    limit = op.max_memory_mb * mib + 2 * data  # the data and their cotangents: no block size removes them
-    small, large = min(8, max(1, preferred // 2)), max(preferred, 2)
-    peak_small, peak_large = _measure(op, small, width), _measure(op, large, width)
-    per_row = max((peak_large - peak_small) / (large - small), 0.0)
-    fixed = peak_small - per_row * small
-    if fixed + per_row > limit:
-        warnings.warn(
-            f"LazyKernel{op.shape}: one row of a block needs {per_row / mib:.3g} MiB of temporaries "
-            f"(checkpoint={op.checkpoint}) beside {fixed / mib:.3g} MiB that no block size changes: more than "
-            f"max_memory_mb={op.max_memory_mb} plus twice the data ({2 * data / mib:.3g} MiB); using 1 row per block",
-            stacklevel=5,
-        )
-    rows, peak = (large, peak_large) if large == preferred else (small, peak_small)
-    while peak > limit and rows > 1:  # shrink, measuring again: XLA's choices can jump
-        rows = max(1, min(rows - 1, int((limit - fixed) // max(per_row, 1.0))))
-        peak = _measure(op, rows, width)
-        per_row = max(per_row, (peak - fixed) / rows)
-    return Memory(rows, peak / mib, limit / mib, per_row / mib)
-
-
-@jax.custom_jvp
-def _warn_if_differentiated(op_and_operand):
-    """``(op, operand)`` as they are; differentiating through them warns that blocks are not checkpointed."""
-    return op_and_operand
-
-
-@_warn_if_differentiated.defjvp
-def _warn_on_derivative(primals, tangents):
-    ((op, _),) = primals
-    m, n = op.shape
-    warnings.warn(
-        f"LazyKernel{op.shape} with checkpoint=False is differentiated: reverse mode (grad, vjp) stores "
-        f"every block, at least the whole matrix ({m * n * op.dtype.itemsize / 2**20:.4g} MiB), whatever "
-        "max_memory_mb says. Pass checkpoint=True to keep gradients within the budget.",
-        stacklevel=1,  # the caller is inside JAX's differentiation
-    )
-    return primals[0], tangents[0]
-
-
-# --------------------------------------------------------------------------
-# The operator
-# --------------------------------------------------------------------------
-
-
-CPU_BLOCK_BYTES = 4 * 2**20  # the best block size measured on a CPU; see LazyKernel.block_rows
-CPU_MIN_BLOCK = 64  # 16-column blocks made X @ K 1.5x slower than 64 at N = 65536
 
 
 @jax.tree_util.register_pytree_node_class
@@ -668,13 +213,12 @@ class LazyKernel:
 
     Supports ``K @ X`` and ``X @ K`` with NumPy's matmul rules (1-D, 2-D and
     batched operands), ``.T``, ``.to_dense()`` and ``.diagonal()``. It is a
-    pytree: pass it through ``jax.jit``, ``jax.grad`` and ``jax.vmap``; its
-    arrays (x1, x2 and the kernel's array leaves) are the leaves, everything
-    else is static.
+    pytree: its arrays (x1, x2 and the kernel's array leaves) are the leaves,
+    so it passes through ``jax.jit``, ``jax.grad`` and ``jax.vmap``.
 
-    Memory: ``max_memory_mb`` caps one block of K; ``batch_size`` fixes the
-    rows (or columns) per block instead. ``checkpoint=True`` recomputes blocks
-    in the backward pass rather than storing them.
+    ``max_memory_mb`` is the budget for the blocks; ``batch_size`` fixes the
+    rows (or columns) per block instead. ``checkpoint=True`` recomputes
+    blocks in the backward pass rather than storing them.
     """
 
     __array_ufunc__ = None  # NumPy arrays on the left defer to __rmatmul__
@@ -711,11 +255,12 @@ class LazyKernel:
         self.batch_size = batch_size
         self.checkpoint = checkpoint
         self.dtype = _check_kernel(kernel, x1.shape[1], jnp.result_type(x1.dtype, x2.dtype))
+        self._transposed = False  # True: K[i, j] = kernel(x2[j], x1[i]), the transpose of an operator
         # Which kernel leaves are arrays (pytree children) is fixed here, not at each
         # flatten: JAX flattens pytrees whose leaves are placeholders, not arrays.
         self._array_leaves = tuple(map(_is_array, jax.tree_util.tree_leaves(kernel)))
 
-    # -- sizes ---------------------------------------------------------------
+    # -- CAGPJax's batch-size arithmetic ---------------------------------------
 
     @property
     def shape(self):
@@ -742,6 +287,27 @@ class LazyKernel:
 
     # -- products ------------------------------------------------------------
 
+    def __matmul__(self, other):
+        x = self._operand(other, "right")
+        if x.ndim == 1:
+            return (self @ x[:, None])[:, 0]
+        m, n = self.shape
+        dtype = jnp.result_type(self.dtype, x.dtype)
+        batch, k = x.shape[:-2], x.shape[-1]
+        rhs = jnp.moveaxis(x, -2, 0).reshape(n, math.prod(batch) * k).astype(dtype)  # every batch in one pass
+        block = self._block_rows(rhs.shape[1], dtype)
+        op, rhs = (self, rhs) if self.checkpoint else _warn_if_differentiated((self, rhs))
+        out = _blockwise_matmul(
+            op._rows_times(rhs), jnp.asarray(op.x1), rhs.shape[1], dtype, block, self.checkpoint, (op, rhs)
+        )
+        return jnp.moveaxis(out.reshape(m, *batch, k), 0, -2)
+
+    def __rmatmul__(self, other):
+        x = self._operand(other, "left")
+        if x.ndim == 1:
+            return self.T @ x
+        return jnp.swapaxes(self.T @ jnp.swapaxes(x, -1, -2), -1, -2)  # X @ K = (K^T @ X^T)^T
+
     def _operand(self, other, side):
         """``other`` as a JAX array, with its size along K's ``side`` axis checked."""
         if isinstance(other, LazyKernel):
@@ -763,95 +329,66 @@ class LazyKernel:
             )
         return x
 
-    def __matmul__(self, other):
-        x = self._operand(other, "right")
-        if x.ndim == 1:
-            return (self @ x[:, None])[:, 0]
-        m, n = self.shape
-        dtype = jnp.result_type(self.dtype, x.dtype)
-        batch, k = x.shape[:-2], x.shape[-1]
-        width = math.prod(batch) * k
-        rhs = jnp.moveaxis(x, -2, 0).reshape(n, width).astype(dtype)  # every batch in one pass over K
-        op, rhs = (self, rhs) if self.checkpoint else _warn_if_differentiated((self, rhs))
-        block = self._preferred_block_rows() if self.batch_size else _memory(self, width).rows
-        out = _blockwise_matmul(op.kernel, jnp.asarray(op.x1), jnp.asarray(op.x2), rhs, block, self.checkpoint)
-        return jnp.moveaxis(out.reshape(m, *batch, k), 0, -2)
+    def _rows_times(self, rhs):
+        """The function ``points p -> K(p, x2) @ rhs`` that the engine runs on each block."""
+        kernel, cols, transposed = self.kernel, jnp.asarray(self.x2), self._transposed
+        return lambda p: kernel_block(kernel, p, cols, transposed=transposed).astype(rhs.dtype) @ rhs
 
-    def __rmatmul__(self, other):
-        x = self._operand(other, "left")
-        if x.ndim == 1:
-            return self.T @ x
-        return jnp.swapaxes(self.T @ jnp.swapaxes(x, -1, -2), -1, -2)  # X @ K = (K^T @ X^T)^T
-
-    # -- blocks and memory ---------------------------------------------------
-
-    def _preferred_block_rows(self):
-        """The block before the budget is measured: ``batch_size``, or the fastest block allowed.
-
-        On GPU that is ``batch_size_row``. On the CPU, blocks of about
-        ``CPU_BLOCK_BYTES``, and at least ``CPU_MIN_BLOCK`` rows, ran 9x faster
-        than one budget-sized block at N = 16384 (see the README's measurements).
-        """
-        rows = self.batch_size_row
-        if self.batch_size is None and jax.default_backend() == "cpu":
-            cache_sized = CPU_BLOCK_BYTES // (self.dtype.itemsize * max(self.shape[1], 1))
-            rows = min(rows, max(CPU_MIN_BLOCK, cache_sized))
-        return max(1, min(rows, self.shape[0]))
+    def _block_rows(self, width, dtype):
+        """Rows per block for ``K @ X``, X [N, width] of ``dtype``: measured (layer 5), or the seed's."""
+        if self.batch_size is None and MEASURED_BLOCKS:
+            return _measured_block(self, width, dtype).rows
+        return max(1, min(self.batch_size_row, self.shape[0]))
 
     @property
     def block_rows(self) -> int:
-        """Rows of K per block that ``K @ v`` really uses, at most ``batch_size_row``.
-
-        A given ``batch_size`` is used as it is. Otherwise the largest block,
-        up to ``_preferred_block_rows``, whose measured temporaries fit the
-        budget (see ``memory``); a wider operand may get a smaller block.
-        """
-        return self._preferred_block_rows() if self.batch_size else self.memory().rows
+        """Rows of K per block that ``K @ v`` really uses (at most ``batch_size_row``)."""
+        return self._block_rows(1, self.dtype)
 
     @property
     def block_cols(self) -> int:
-        """Columns of K per block that ``v @ K`` really uses."""
+        """Columns of K per block that ``v @ K`` really uses (at most ``batch_size_col``)."""
         return self.T.block_rows
 
-    def memory(self, width: int = 1) -> Memory:
-        """XLA's temporaries for ``K @ X`` with X of ``width`` columns, measured (and cached).
+    def measure(self, width: int = 1) -> Measurement:
+        """The block for ``K @ X`` (X [N, width]) and XLA's temporaries there, measured once and cached.
 
-        The largest over the product and, with ``checkpoint=True``, its
-        gradients. ``peak_mb <= limit_mb`` (``max_memory_mb`` plus twice the
-        data) unless a warning said one row does not fit; with a given
-        ``batch_size`` the limit is ``nan``. For ``X @ K`` ask ``K.T.memory(width)``.
+        With ``checkpoint=True`` the largest over the product's three gradients.
+        ``peak_mb <= limit_mb`` unless a warning said that one row does not fit.
+        With a given ``batch_size`` the block is that one and ``limit_mb`` nan.
+        For ``X @ K`` ask ``K.T.measure(width)``.
         """
-        return _memory(self, width)
+        return _measured_block(self, width, self.dtype, given=self.batch_size)
+
+    # -- views ----------------------------------------------------------------
 
     @property
     def T(self) -> LazyKernel:
-        """The transpose, ``K.T[i, j] = kernel(x1[j], x2[i])``, also lazy."""
-        kernel = self.kernel.kernel if isinstance(self.kernel, _Transposed) else _Transposed(self.kernel)
-        return LazyKernel(
-            kernel,
-            self.x2,
-            self.x1,
-            max_memory_mb=self.max_memory_mb,
-            batch_size=self.batch_size,
-            checkpoint=self.checkpoint,
-        )
+        """The transpose, ``K.T[i, j] = K[j, i]``, also lazy."""
+        transposed = object.__new__(LazyKernel)
+        transposed.__dict__.update(self.__dict__)
+        transposed.x1, transposed.x2 = self.x2, self.x1
+        transposed._transposed = not self._transposed
+        return transposed
 
     def to_dense(self) -> jax.Array:
         """The whole [M, N] matrix (it is materialised: for small problems and checks)."""
-        return kernel_block(self.kernel, jnp.asarray(self.x1), jnp.asarray(self.x2)).astype(self.dtype)
+        x1, x2 = jnp.asarray(self.x1), jnp.asarray(self.x2)
+        return kernel_block(self.kernel, x1, x2, transposed=self._transposed).astype(self.dtype)
 
     def diagonal(self) -> jax.Array:
         """``K[i, i]`` for ``i < min(M, N)``, from ``min(M, N)`` pair evaluations."""
         k = min(self.shape)
-        return jax.vmap(self.kernel)(jnp.asarray(self.x1)[:k], jnp.asarray(self.x2)[:k]).astype(self.dtype)
+        x1, x2 = jnp.asarray(self.x1)[:k], jnp.asarray(self.x2)[:k]
+        return jax.vmap(self.kernel)(*((x2, x1) if self._transposed else (x1, x2))).astype(self.dtype)
 
     def __repr__(self):
+        known = _measured_block(self, 1, self.dtype, given=self.batch_size, cached_only=True)
+        measured = f", block_rows={known.rows}, peak_mb={known.peak_mb:.3g}" if known else ""
         return (
             f"LazyKernel({self.kernel!r}, shape={self.shape}, dtype={self.dtype}, "
-            f"max_memory_mb={self.max_memory_mb}, batch_size={self.batch_size}, "
-            f"block_rows={self.block_rows}, block_cols={self.block_cols}, checkpoint={self.checkpoint}, "
-            f"peak_mb={self.memory().peak_mb:.3g}, "
-            f"blocks={block_evaluation(self.kernel, self.x1.shape[1], self.dtype)!r})"
+            f"max_memory_mb={self.max_memory_mb}, batch_size={self.batch_size}, checkpoint={self.checkpoint}, "
+            f"batch_size_row={self.batch_size_row}, batch_size_col={self.batch_size_col}{measured})"
         )
 
     # -- pytree --------------------------------------------------------------
@@ -861,7 +398,7 @@ class LazyKernel:
         is_array = self._array_leaves
         arrays = [leaf for leaf, a in zip(leaves, is_array, strict=True) if a]
         static = tuple(leaf for leaf, a in zip(leaves, is_array, strict=True) if not a)
-        settings = (self.max_memory_mb, self.batch_size, self.checkpoint, self.dtype, is_array)
+        settings = (self.max_memory_mb, self.batch_size, self.checkpoint, self.dtype, self._transposed, is_array)
         return (arrays, self.x1, self.x2), (treedef, static, settings)
 
     @classmethod
@@ -869,15 +406,470 @@ class LazyKernel:
         treedef, static, settings = aux
         arrays, x1, x2 = children
         op = object.__new__(cls)
-        op.max_memory_mb, op.batch_size, op.checkpoint, op.dtype, op._array_leaves = settings
+        op.max_memory_mb, op.batch_size, op.checkpoint, op.dtype, op._transposed, op._array_leaves = settings
         arrays, static = iter(arrays), iter(static)
         op.kernel = treedef.unflatten([next(arrays) if a else next(static) for a in op._array_leaves])
         op.x1, op.x2 = x1, x2
         return op
 
 
+@jax.custom_jvp
+def _warn_if_differentiated(op_and_operand):
+    """``(op, operand)`` as they are; differentiating through them warns that blocks are not checkpointed."""
+    return op_and_operand
+
+
+@_warn_if_differentiated.defjvp
+def _warn_on_derivative(primals, tangents):
+    ((op, _),) = primals
+    m, n = op.shape
+    warnings.warn(
+        f"LazyKernel{op.shape} with checkpoint=False is differentiated: reverse mode (grad, vjp) stores "
+        f"every block, at least the whole matrix ({m * n * op.dtype.itemsize / 2**20:.4g} MiB), whatever "
+        "max_memory_mb says. Pass checkpoint=True to keep gradients within the budget.",
+        stacklevel=1,  # the caller is inside JAX's differentiation
+    )
+    return primals[0], tangents[0]
+
+
 # --------------------------------------------------------------------------
-# python lazy_kernel.py: check this machine against a dense NumPy oracle
+# 4. Layer: the pair program, fast CPU blocks with the vmap form's numbers
+# --------------------------------------------------------------------------
+#
+# ``_vmap_block`` turns a pair kernel into a [b, n, D] computation, and XLA on
+# CPU runs its sum over the short feature axis D several times slower than the
+# exponential after it. A hand-written kernel avoids that by writing the
+# feature sum out. ``_pair_program_block`` does the same for any pair kernel:
+# it runs the kernel's jaxpr (its program on one pair of points) once for
+# the whole block, equation by equation, holding each value of shape S (say
+# [D] or []) as
+#
+# - an array [B, N, *S], B in {1, b} and N in {1, n}: a value of x alone is
+#   [b, 1, *S], of y alone [1, n, *S], of neither [1, 1, *S], so whatever
+#   depends on one point is computed once per point, not once per pair;
+# - ``_Split``: a value of both points with 1 to ``SPLIT_FEATURES_MAX``
+#   features, as one [b, n] array per feature, so that a sum over features is
+#   a sum of [b, n] arrays: the hand-written kernel. (Beyond that, the gain
+#   over XLA's reduction of a [b, n, S] array shrank, and compiles grew long.)
+#
+# Every rule computes exactly what the vmap form computes, element by element:
+# the same primitive on the same values. Only sums (``reduce_sum``, a dot of
+# two vectors) may add their terms in another order, which is as accurate.
+# An equation no rule takes is vmapped on its own (``_by_vmap``), and a kernel
+# the program does not take at all (``None``) gets the vmap form.
+
+SPLIT_FEATURES_MAX = 16  # bench_lazy_kernel.py --split, and the README's note on compile times
+
+_ELEMENTWISE = frozenset(
+    "abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp complex conj convert_element_type copy "
+    "copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag integer_pow is_finite le "
+    "lgamma log log1p logistic lt max min mul ne neg nextafter not or pow real reduce_precision rem round rsqrt "
+    "select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square sub tan tanh xor".split()
+)
+
+
+class _Split:
+    """A value of both points with features: a NumPy object array of shape S holding [b, n] arrays."""
+
+    def __init__(self, parts):
+        self.parts = parts
+
+
+def _pair_program_block(kernel, xa, xb, transposed=False, vmapped=None):
+    """The block ``kernel_block`` asks for, from the kernel's jaxpr run on whole blocks; None where the program
+    does not apply.
+
+    It does not apply to empty blocks, to kernels with effects (``jax.debug.print``,
+    say), or to a kernel whose own ``cross_covariance`` is more than the vmap form.
+    ``vmapped``, a set, collects the equations vmapped on values of both points.
+    """
+    if not (xa.shape[0] and xb.shape[0]) or not _vmap_or_no_cross_covariance(kernel, xa, xb):
+        return None
+    rows, cols = xa[:, None, :], xb[None, :, :]  # [b, 1, D] and [1, n, D]: values of x alone, of y alone
+    first, second = (cols, rows) if transposed else (rows, cols)
+    program = jax.make_jaxpr(lambda x, y: kernel(x, y))(first[0, 0], second[0, 0])  # __name__ may not be a str
+    if program.jaxpr.effects:
+        return None
+    (out,) = _run(program.jaxpr, program.consts, [first, second], set() if vmapped is None else vmapped)
+    return jnp.broadcast_to(_dense(out), (xa.shape[0], xb.shape[0]))
+
+
+_CALLS = ("pjit", "jit", "closed_call")  # run inline, so that their equations meet the rules
+
+
+def _run(jaxpr, consts, args, vmapped):
+    """Evaluate ``jaxpr`` on block values: the loop of JAX's "Writing custom interpreters"."""
+    env = {}
+
+    def read(var):
+        if isinstance(var, jax.extend.core.Literal):
+            return jnp.asarray(var.val, var.aval.dtype)[None, None]
+        return env[var]
+
+    env.update(zip(jaxpr.constvars, [jnp.asarray(c)[None, None] for c in consts], strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    for eqn in jaxpr.eqns:
+        args = [read(var) for var in eqn.invars]
+        if eqn.primitive.name in _CALLS:
+            inner = eqn.params.get("jaxpr") or eqn.params["call_jaxpr"]
+            inner = inner if isinstance(inner, jax.extend.core.ClosedJaxpr) else jax.extend.core.ClosedJaxpr(inner, [])
+            outs = _run(inner.jaxpr, inner.consts, args, vmapped)
+        else:
+            rule = _RULES.get(eqn.primitive.name)
+            outs = rule(eqn, args) if rule else None
+        if outs is None:
+            if any(_of_both([a]) for a in args):  # an argument of both points: vmapped on pairs
+                vmapped.add(eqn.primitive.name)
+            outs = _by_vmap(eqn, args)
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(var) for var in jaxpr.outvars]
+
+
+def _elementwise(eqn, args):
+    """An elementwise equation: per feature on a value of both points with 1 to SPLIT_FEATURES_MAX features,
+    else on the arguments broadcast against each other."""
+    shape = eqn.outvars[0].aval.shape
+    if _of_both(args) and shape and 0 < math.prod(shape) <= SPLIT_FEATURES_MAX:
+        parts = np.empty(shape, object)
+        for index in np.ndindex(shape):
+            features = [_feature(a, index) for a in args]
+            common = jnp.broadcast_shapes(*(f.shape for f in features))
+            (parts[index],) = _bind(eqn, [jnp.broadcast_to(f, common) for f in features])
+        return [_Split(parts)]
+    args = [_dense(a) for a in args]
+    args = [a.reshape(a.shape[:2] + (1,) * (len(shape) + 2 - a.ndim) + a.shape[2:]) for a in args]  # scalars too
+    common = jnp.broadcast_shapes(*(a.shape for a in args))
+    return _bind(eqn, [jnp.broadcast_to(a, common) for a in args])
+
+
+def _split_sum(eqn, args):
+    """``reduce_sum`` of a _Split: a sum of [b, n] arrays."""
+    (a,) = args
+    if not isinstance(a, _Split):
+        return None
+    total = np.sum(a.parts, axis=tuple(eqn.params["axes"]))
+    if isinstance(total, np.ndarray):
+        return [_Split(total) if total.ndim else total[()]]
+    return [total]
+
+
+def _split_dot(eqn, args):
+    """A dot of two float vectors, one of them a _Split: the sum of their products."""
+    (contract, batch), out = eqn.params["dimension_numbers"], eqn.outvars[0].aval
+    inputs = [var.aval for var in eqn.invars]
+    plain = all(a.ndim == 1 and a.dtype == out.dtype for a in inputs) and jnp.issubdtype(out.dtype, jnp.floating)
+    if not (any(isinstance(a, _Split) for a in args) and plain and contract == ((0,), (0,)) and batch == ((), ())):
+        return None
+    x, y = args
+    return [sum(_feature(x, (d,)) * _feature(y, (d,)) for d in range(inputs[0].shape[0]))]
+
+
+_RULES = {  # primitive name -> rule(eqn, block values) -> outputs, or None: vmap the equation
+    **dict.fromkeys(_ELEMENTWISE, _elementwise),
+    "reduce_sum": _split_sum,
+    "dot_general": _split_dot,
+}
+
+
+def _of_both(args):
+    """Whether block values together depend on both points."""
+    if any(isinstance(a, _Split) for a in args):
+        return True
+    return any(a.shape[0] > 1 for a in args) and any(a.shape[1] > 1 for a in args)
+
+
+def _feature(a, index):
+    """The [B, N] array of one feature of a block value (a value with no features is its own)."""
+    if isinstance(a, _Split):
+        return a.parts[index]
+    return a if a.ndim == 2 else a[(slice(None), slice(None), *index)]
+
+
+def _dense(a):
+    """A block value as one array [B, N, *S]."""
+    if not isinstance(a, _Split):
+        return a
+    lead = jnp.broadcast_shapes(*(part.shape for part in a.parts.flat))
+    parts = [jnp.broadcast_to(part, lead) for part in a.parts.flat]
+    return jnp.stack(parts, axis=-1).reshape(lead + a.parts.shape)
+
+
+def _bind(eqn, args):
+    params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns, params = params if isinstance(params, tuple) else ((), params)  # JAX < 0.5: (subfuns, params)
+    out = eqn.primitive.bind(*subfuns, *args, **params)
+    return out if eqn.primitive.multiple_results else [out]
+
+
+def _by_vmap(eqn, args):
+    """Any equation, vmapped over the pair axes its arguments have: a value of x alone stays one."""
+    args = [_dense(a) for a in args]
+    by_row, by_col = [a.shape[0] > 1 for a in args], [a.shape[1] > 1 for a in args]
+
+    def per_row(*row):  # each [N, *S]: the row axis is gone
+        row = [a if c else a[0] for a, c in zip(row, by_col, strict=True)]
+        f = lambda *a: _bind(eqn, a)  # noqa: E731
+        return jax.vmap(f, [0 if c else None for c in by_col])(*row) if any(by_col) else f(*row)
+
+    rows = [a if r else a[0] for a, r in zip(args, by_row, strict=True)]
+    outs = jax.vmap(per_row, [0 if r else None for r in by_row])(*rows) if any(by_row) else per_row(*rows)
+    missing = [axis for axis, mapped in ((0, any(by_row)), (1, any(by_col))) if not mapped]
+    return [jnp.expand_dims(out, missing) for out in outs]
+
+
+def _vmap_or_no_cross_covariance(kernel, xa, xb):
+    """Whether ``kernel`` has no ``cross_covariance``, or one that is exactly the vmap form.
+
+    Decided on the programs, not their printed text: the same equations with
+    the same parameters, wired the same way, and constants of equal value.
+    """
+    if not hasattr(kernel, "cross_covariance"):
+        return True
+    a, b = _probe_blocks(xa.shape[1], jnp.result_type(xa, xb))
+    own = jax.make_jaxpr(kernel.cross_covariance)(a, b)
+    return _same_program(own, jax.make_jaxpr(functools.partial(_vmap_block, kernel))(a, b))
+
+
+def _same_program(p, q):
+    """Two ClosedJaxprs compute the same: equal constants and equal equations."""
+    return (
+        len(p.consts) == len(q.consts)
+        and all(_same_value(c, d) for c, d in zip(p.consts, q.consts))
+        and _same_jaxpr(p.jaxpr, q.jaxpr)
+    )
+
+
+def _same_jaxpr(p, q):
+    names = {}  # p's variables -> q's
+    lists = [(p.constvars, q.constvars), (p.invars, q.invars), (p.outvars, q.outvars), (p.eqns, q.eqns)]
+    if any(len(u) != len(w) for u, w in lists) or p.effects != q.effects:
+        return False
+    names.update(zip(p.constvars + p.invars, q.constvars + q.invars))
+    for e, f in zip(p.eqns, q.eqns):
+        if e.primitive is not f.primitive or len(e.invars) != len(f.invars) or len(e.outvars) != len(f.outvars):
+            return False
+        if not all(_same_atom(u, w, names) for u, w in zip(e.invars, f.invars)):
+            return False
+        if e.params.keys() != f.params.keys() or not all(_same_param(e.params[k], f.params[k]) for k in e.params):
+            return False
+        names.update(zip(e.outvars, f.outvars))
+    return all(_same_atom(u, w, names) for u, w in zip(p.outvars, q.outvars))
+
+
+def _same_atom(u, w, names):
+    if isinstance(u, jax.extend.core.Literal):
+        return isinstance(w, jax.extend.core.Literal) and u.aval == w.aval and _same_value(u.val, w.val)
+    return names.get(u) is w
+
+
+def _same_param(p, q):
+    if isinstance(p, jax.extend.core.ClosedJaxpr):
+        return isinstance(q, jax.extend.core.ClosedJaxpr) and _same_program(p, q)
+    if isinstance(p, jax.extend.core.Jaxpr):
+        return isinstance(q, jax.extend.core.Jaxpr) and _same_jaxpr(p, q)
+    if isinstance(p, (tuple, list)):
+        return type(p) is type(q) and len(p) == len(q) and all(map(_same_param, p, q))
+    if _is_array(p) or _is_array(q):
+        return _same_value(p, q)
+    try:
+        return p is q or (type(p) is type(q) and bool(p == q))
+    except Exception:  # a parameter without a usable ==: not known to be the same
+        return False
+
+
+def _same_value(c, d):
+    if isinstance(c, jax.core.Tracer) or isinstance(d, jax.core.Tracer):
+        return c is d
+    c, d = np.asarray(c), np.asarray(d)
+    return c.dtype == d.dtype and c.shape == d.shape and np.array_equal(c, d)
+
+
+def block_evaluation(kernel: PairKernel, dim: int, dtype=jnp.float32) -> str:
+    """How ``kernel_block`` computes blocks of ``kernel`` on ``dim`` features here (traced, not run).
+
+    ``"pair program"``, followed by the equations it vmaps on values of both
+    points if any; else ``"cross_covariance"`` or ``"vmap"``.
+    """
+    a, b = _probe_blocks(dim, dtype)
+    vmapped = set()
+    if PAIR_PROGRAM and jax.default_backend() == "cpu":
+        if jax.eval_shape(functools.partial(_pair_program_block, kernel, vmapped=vmapped), a, b) is not None:
+            return "pair program" + (f" (by vmap: {', '.join(sorted(vmapped))})" if vmapped else "")
+    return "cross_covariance" if hasattr(kernel, "cross_covariance") else "vmap"
+
+
+# --------------------------------------------------------------------------
+# 5. Layer: the block size from XLA's measured peak
+# --------------------------------------------------------------------------
+#
+# One block of K is not the peak. XLA keeps whatever temporaries the kernel's
+# computation needs (a pair kernel's checkpointed gradient holds about D + 1
+# blocks), and arrays the size of the data (inputs, operand, result, their
+# cotangents) that no block size changes. So the block comes from a
+# measurement: the product, and with checkpoint=True its three gradients
+# (with respect to x1 and the operand, x2 and the operand, and everything),
+# are compiled on abstract inputs, and XLA's ``temp_size_in_bytes`` is read.
+# The block is the fastest one (cache-sized on CPU, ``batch_size_row`` on
+# other backends) if its peak is within the limit, ``max_memory_mb`` plus twice
+# the data; else the peak is measured at a small block too, fitted as
+# ``fixed + per_row * rows``, and the block shrunk, measuring again, until it
+# fits. Peaks are cached by everything that decides them (see _peak_key).
+
+CPU_BLOCK_BYTES = 4 * 2**20  # the fastest block size measured on a CPU (bench_lazy_kernel.py --blocks)
+CPU_MIN_BLOCK = 64  # blocks of 16 rows or columns were slower (bench_lazy_kernel.py --blocks)
+
+
+class Measurement(NamedTuple):
+    """The block for one product and XLA's temporaries there (the largest over the programs measured)."""
+
+    rows: int  # rows of K per block
+    peak_mb: float  # XLA's temporaries at that block, in MiB
+    limit_mb: float  # max_memory_mb + twice the data (x1, x2, kernel arrays, operand, result); nan if given
+
+
+_PEAKS = {}  # (what decides the peak, rows) -> XLA's temporaries in bytes; see _peak_key
+_BLOCKS = {}  # (what decides the peak, limit) -> (rows, peak): the block chosen
+
+
+def _measured_block(op, width, dtype, given=None, cached_only=False):
+    """The block for ``op @ X``, X [N, width] of ``dtype``, and its measured peak.
+
+    ``given`` rows are measured as they are. With ``cached_only``, nothing is
+    compiled: the answer if it is known, else None.
+    """
+    key = _peak_key(op, width, dtype)
+    m = op.shape[0]
+
+    def peak(rows):
+        if (key, rows) not in _PEAKS:
+            _PEAKS[key, rows] = _compiled_peak(op, width, dtype, rows)
+        return _PEAKS[key, rows]
+
+    if given is not None:
+        rows = max(1, min(given, m))
+        if cached_only and (key, rows) not in _PEAKS:
+            return None
+        return Measurement(rows, peak(rows) / 2**20, math.nan)
+    data = sum(jnp.size(a) * jnp.result_type(a).itemsize for a in jax.tree_util.tree_leaves(op))
+    data += (m + op.shape[1]) * width * jnp.dtype(dtype).itemsize  # the operand and the result
+    limit = op.max_memory_mb * 2**20 + 2 * data  # the data and their cotangents: no block size removes them
+    if (key, limit) not in _BLOCKS:  # decided once: a warning is said once
+        if cached_only:
+            return None
+        _BLOCKS[key, limit] = _fit(peak, _fastest_rows(op), limit, op)
+    rows, at_rows = _BLOCKS[key, limit]
+    return Measurement(rows, at_rows / 2**20, limit / 2**20)
+
+
+def _fastest_rows(op):
+    """The block before the budget is measured: ``batch_size_row``, on CPU at most a cache-sized block."""
+    rows = op.batch_size_row
+    if jax.default_backend() == "cpu":
+        cache_sized = CPU_BLOCK_BYTES // (op.dtype.itemsize * max(op.shape[1], 1))
+        rows = min(rows, max(CPU_MIN_BLOCK, cache_sized))
+    return max(1, min(rows, op.shape[0]))
+
+
+def _fit(peak, rows, limit, op):
+    """The most rows, at most ``rows``, whose measured ``peak(rows)`` fits ``limit``; and that peak."""
+    at_rows = peak(rows)
+    if at_rows > limit and rows > 1:
+        small = max(1, min(8, rows // 2))
+        at_small = peak(small)
+        per_row = max((at_rows - at_small) / (rows - small), 1.0)
+        fixed = at_small - per_row * small
+        while at_rows > limit and rows > 1:  # shrink, measuring again: XLA's choices can jump
+            rows = max(1, min(rows - 1, int((limit - fixed) // per_row)))
+            at_rows = peak(rows)
+            per_row = max(per_row, (at_rows - fixed) / rows)
+    if at_rows > limit:
+        warnings.warn(
+            f"LazyKernel{op.shape}: one row of a block needs {at_rows / 2**20:.3g} MiB of temporaries "
+            f"(checkpoint={op.checkpoint}): more than max_memory_mb={op.max_memory_mb} plus twice the data "
+            f"({limit / 2**20:.3g} MiB in all); using 1 row per block",
+            stacklevel=5,  # the caller's product or block_rows
+        )
+    return rows, at_rows
+
+
+def _compiled_peak(op, width, dtype, rows):
+    """XLA's temporaries in bytes for ``op @ X`` at ``rows`` rows per block.
+
+    With ``checkpoint``, the largest over the reverse-mode gradients of its sum
+    with respect to (x1, X), (x2, X) and everything: each can hold more than the
+    others. The programs take abstract inputs: the kernel's arrays, x1, x2, X,
+    and any tracers the kernel closes over (a hyperparameter under ``jit``).
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(op.kernel)
+    inputs = {
+        "kernel": [_spec(a) for a in leaves if _is_array(a)],
+        "x1": [_spec(op.x1)],
+        "x2": [_spec(op.x2)],
+        "rhs": [jax.ShapeDtypeStruct((op.shape[1], width), dtype)],
+    }
+
+    def product(kernel, x1, x2, rhs):
+        arrays = iter(kernel)
+        kernel = treedef.unflatten([next(arrays) if _is_array(a) else a for a in leaves])
+        measured = LazyKernel(kernel, x1, x2, batch_size=rows, checkpoint=op.checkpoint)
+        measured._transposed = op._transposed
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the warning that a product without checkpoint is differentiated
+            return measured @ rhs
+
+    closed = jax.make_jaxpr(product)(inputs["kernel"], *inputs["x1"], *inputs["x2"], *inputs["rhs"])
+    traced = [isinstance(c, jax.core.Tracer) for c in closed.consts]
+    inputs["closed_over"] = [_spec(c) for c, t in zip(closed.consts, traced, strict=True) if t]
+    specs = [spec for group in inputs.values() for spec in group]
+    given = len(specs) - len(inputs["closed_over"])
+
+    def run(*args):
+        closed_over = iter(args[given:])
+        consts = [next(closed_over) if t else c for c, t in zip(closed.consts, traced, strict=True)]
+        return jax.core.eval_jaxpr(closed.jaxpr, consts, *args[:given])[0]
+
+    position, start = {}, 0
+    for name, group in inputs.items():
+        position[name] = list(range(start, start + len(group)))
+        start += len(group)
+
+    def gradient(*names):
+        argnums = [i for name in names for i in position[name] if jnp.issubdtype(specs[i].dtype, jnp.inexact)]
+        return jax.grad(lambda *a: jnp.sum(run(*a)).real, argnums) if argnums else run
+
+    programs = [run]
+    if op.checkpoint:
+        programs = [gradient("x1", "rhs"), gradient("x2", "rhs"), gradient(*inputs)]
+    return max(jax.jit(f).lower(*specs).compile().memory_analysis().temp_size_in_bytes for f in programs)
+
+
+def _spec(a):
+    return jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
+
+
+def _peak_key(op, width, dtype):
+    """What decides the peak: the settings, shapes and dtypes, and the kernel's program.
+
+    A kernel whose pytree leaves are all arrays is known by its structure (no
+    trace). Any other (a closure, say, made anew in every trace) by its block's
+    program on small blocks, which costs a trace but no compile.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(op.kernel)
+    kernel = (treedef, tuple(_spec(a) for a in leaves)) if all(op._array_leaves) else None
+    try:
+        hash(kernel)
+    except TypeError:  # static pytree data that cannot be hashed (a slice, say)
+        kernel = None
+    if kernel is None:
+        probes = _probe_blocks(op.x1.shape[1], jnp.result_type(op.x1, op.x2))
+        block = functools.partial(kernel_block, op.kernel, transposed=op._transposed)
+        kernel = str(jax.make_jaxpr(block)(*probes))
+    shapes = (_spec(op.x1), _spec(op.x2), width, jnp.dtype(dtype))
+    return (kernel, shapes, op._transposed, op.checkpoint, jax.default_backend(), PAIR_PROGRAM)
+
+
+# --------------------------------------------------------------------------
+# 6. python lazy_kernel.py: check this machine against a dense NumPy oracle
 # --------------------------------------------------------------------------
 
 
@@ -941,7 +933,7 @@ def main(argv=None) -> int:
     parser.add_argument("--n", type=int, help="points in x1 and in x2 (M = N); default 16384, 65536 on GPU")
     parser.add_argument("--dim", type=int, default=3, help="features per point")
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
-    parser.add_argument("--max-memory-mb", type=float, default=2**10, help="budget for one block of K")
+    parser.add_argument("--max-memory-mb", type=float, default=2**10, help="budget for the blocks")
     parser.add_argument("--batch-size", type=int, default=None, help="fixed rows/columns per block")
     parser.add_argument(
         "--checkpoint",
