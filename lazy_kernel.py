@@ -838,7 +838,7 @@ def _compiled_peak(op, width, dtype, rows):
         return jax.grad(lambda *a: jnp.sum(run(*a)).real, argnums) if argnums else run
 
     programs = [run]
-    if op.checkpoint:
+    if op.checkpoint and jnp.issubdtype(dtype, jnp.inexact):  # an integer product has no gradient
         programs = [gradient("x1", "rhs"), gradient("x2", "rhs"), gradient(*inputs)]
     return max(jax.jit(f).lower(*specs).compile().memory_analysis().temp_size_in_bytes for f in programs)
 

@@ -581,6 +581,15 @@ def test_measurements_are_cached_by_what_decides_them(monkeypatch):
     assert len(compiled) > after_rbf
 
 
+def test_integer_kernels_are_measured_and_stay_integers():
+    x = jnp.arange(12, dtype=jnp.int32).reshape(6, 2)
+    op = LazyKernel(lambda a, b: jnp.sum(jnp.abs(a - b)), x, x, max_memory_mb=1e-3, checkpoint=True)
+    dense = np.abs(np.asarray(x)[:, None] - np.asarray(x)[None]).sum(-1)
+    result = op @ jnp.ones(6, jnp.int32)
+    assert jnp.issubdtype(op.dtype, jnp.integer) and result.dtype == op.dtype and op.block_rows >= 1
+    np.testing.assert_array_equal(result, dense @ np.ones(6, np.int32))
+
+
 def test_budget_under_vmap_is_per_example():
     rng = np.random.default_rng(17)
     xs, vs = points(rng, 3 * 60, 2, jnp.float32).reshape(3, 60, 2), points(rng, 3 * 60, 1, jnp.float32).reshape(3, 60)
@@ -1006,7 +1015,7 @@ ACCURACY_KERNELS = accuracy_kernels()
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
-@pytest.mark.parametrize("dim", [3, 9, 16, 64])
+@pytest.mark.parametrize("dim", [1, 3, 9, 16, 64, 256])
 @pytest.mark.parametrize("name", sorted(ACCURACY_KERNELS))
 def test_as_accurate_as_the_vmap_form(name, dim, dtype):
     """Worst error of ``LazyKernel @ I`` against np.longdouble <= 4x the vmap form's + 16 eps max|K|.
