@@ -127,7 +127,7 @@ def kernels_table(n, gpjax):
             loss = lambda ls, x, v, make=make: jnp.sum(jnp.sin(LazyKernel(make(ls), x, x, checkpoint=True) @ v))  # noqa: E731
             gradient.append(jax.grad(loss, argnums=(0, 1, 2)))
         rows = LazyKernel(RBF(ls), x, x).block_rows
-        forward_s = median_times([*forward, lambda ls, x, v: ceiling(n, rows)(x, v)], (ls, x, v))
+        forward_s = median_times([*forward, lambda ls, x, v, rows=rows: ceiling(n, rows)(x, v)], (ls, x, v))
         gradient_s = median_times(gradient, (ls, x[: n // 2], v[: n // 2]))
         for i, name in enumerate(made):
             print(
@@ -167,20 +167,24 @@ def first_use_table(n, gpjax):
                 def product(s, x, v, rows=rows, checkpoint=checkpoint, make=make):
                     return LazyKernel(make(s), x, x, batch_size=rows, checkpoint=checkpoint) @ v
 
-                f = jax.jit(jax.grad(lambda *a: jnp.sum(product(*a)), argnums=(0, 1, 2))) if checkpoint else jax.jit(product)
+                f = (
+                    jax.jit(jax.grad(lambda *a: jnp.sum(product(*a)), argnums=(0, 1, 2)))
+                    if checkpoint
+                    else jax.jit(product)
+                )
                 begin = time.perf_counter()
                 jax.block_until_ready(f(s, x, v))
                 compile_s = time.perf_counter() - begin
+                ratio = measure_s / compile_s
                 print(
-                    f"| {name} | {dim} | {checkpoint} | {measure_s:.2f} | {compile_s:.2f} | {measure_s / compile_s:.2f} |",
-                    flush=True,
+                    f"| {name} | {dim} | {checkpoint} | {measure_s:.2f} | {compile_s:.2f} | {ratio:.2f} |", flush=True
                 )
 
 
 def split_table(n):
     """A pair kernel with its feature sums written out (split) or left to XLA's reduction, by D:
     K @ v, and the first call (mostly compile) of a checkpointed gradient."""
-    print(f"\n## Written-out feature sums against XLA's reduction, pair RBF, float32\n")
+    print("\n## Written-out feature sums against XLA's reduction, pair RBF, float32\n")
     print(f"| D | K @ v at M = N = {n}: written out, XLA's reduction | gradient's first call at M = N = 1000 |")
     print("|---|---|---|")
 

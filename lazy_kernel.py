@@ -634,7 +634,7 @@ def _same_program(p, q):
     """Two ClosedJaxprs compute the same: equal constants and equal equations."""
     return (
         len(p.consts) == len(q.consts)
-        and all(_same_value(c, d) for c, d in zip(p.consts, q.consts))
+        and all(_same_value(c, d) for c, d in zip(p.consts, q.consts, strict=True))
         and _same_jaxpr(p.jaxpr, q.jaxpr)
     )
 
@@ -644,16 +644,16 @@ def _same_jaxpr(p, q):
     lists = [(p.constvars, q.constvars), (p.invars, q.invars), (p.outvars, q.outvars), (p.eqns, q.eqns)]
     if any(len(u) != len(w) for u, w in lists) or p.effects != q.effects:
         return False
-    names.update(zip(p.constvars + p.invars, q.constvars + q.invars))
-    for e, f in zip(p.eqns, q.eqns):
+    names.update(zip(p.constvars + p.invars, q.constvars + q.invars, strict=True))
+    for e, f in zip(p.eqns, q.eqns, strict=True):
         if e.primitive is not f.primitive or len(e.invars) != len(f.invars) or len(e.outvars) != len(f.outvars):
             return False
-        if not all(_same_atom(u, w, names) for u, w in zip(e.invars, f.invars)):
+        if not all(_same_atom(u, w, names) for u, w in zip(e.invars, f.invars, strict=True)):
             return False
         if e.params.keys() != f.params.keys() or not all(_same_param(e.params[k], f.params[k]) for k in e.params):
             return False
-        names.update(zip(e.outvars, f.outvars))
-    return all(_same_atom(u, w, names) for u, w in zip(p.outvars, q.outvars))
+        names.update(zip(e.outvars, f.outvars, strict=True))
+    return all(_same_atom(u, w, names) for u, w in zip(p.outvars, q.outvars, strict=True))
 
 
 def _same_atom(u, w, names):

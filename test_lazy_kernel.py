@@ -237,11 +237,18 @@ def test_constructor_keeps_what_was_passed():
     assert "shape=(4, 5)" in text and "batch_size=3" in text and "RBF" in text
 
 
+def count_compiles(monkeypatch):
+    """A list that grows by one with every XLA compile from here on."""
+    compiled, original = [], jax.stages.Lowered.compile
+    monkeypatch.setattr(
+        jax.stages.Lowered, "compile", lambda self, *a, **k: compiled.append(1) or original(self, *a, **k)
+    )
+    return compiled
+
+
 def test_repr_compiles_nothing_and_shows_a_measured_peak_once_measured(monkeypatch):
     op = LazyKernel(skewed, jnp.zeros((50, 2)), jnp.zeros((40, 2)), max_memory_mb=0.37)
-    compiled = []
-    original = jax.stages.Lowered.compile
-    monkeypatch.setattr(jax.stages.Lowered, "compile", lambda self, *a, **k: compiled.append(1) or original(self, *a, **k))
+    compiled = count_compiles(monkeypatch)
     assert "peak_mb" not in repr(op) and not compiled
     measured = op.measure()
     assert compiled
@@ -560,9 +567,7 @@ def test_one_row_over_the_budget_is_said_once():
 
 
 def test_measurements_are_cached_by_what_decides_them(monkeypatch):
-    compiled = []
-    original = jax.stages.Lowered.compile
-    monkeypatch.setattr(jax.stages.Lowered, "compile", lambda self, *a, **k: compiled.append(1) or original(self, *a, **k))
+    compiled = count_compiles(monkeypatch)
     rng = np.random.default_rng(16)
     x, v = points(rng, 40, 2, jnp.float32), points(rng, 40, 1, jnp.float32)[:, 0]
     for s in (1.5, 2.5):  # a fresh closure over a traced hyperparameter, traced anew: as in training loops
@@ -573,11 +578,11 @@ def test_measurements_are_cached_by_what_decides_them(monkeypatch):
     measured = len(compiled)
     assert measured >= 1
     for budget in (0.01, 0.02, 3.0):  # new arrays, new budgets: the peaks are known
-        LazyKernel(RBF(jnp.float32(0.5)), x + 1, x, max_memory_mb=budget).block_rows
+        _ = LazyKernel(RBF(jnp.float32(0.5)), x + 1, x, max_memory_mb=budget).block_rows
     after_rbf = len(compiled)
-    LazyKernel(RBF(jnp.float32(0.7)), x * 2, x - 1, max_memory_mb=0.05).block_rows
+    _ = LazyKernel(RBF(jnp.float32(0.7)), x * 2, x - 1, max_memory_mb=0.05).block_rows
     assert len(compiled) == after_rbf
-    LazyKernel(RBF(jnp.float32(0.7)), x[:30], x, max_memory_mb=0.05).block_rows  # a new shape: measured
+    _ = LazyKernel(RBF(jnp.float32(0.7)), x[:30], x, max_memory_mb=0.05).block_rows  # a new shape: measured
     assert len(compiled) > after_rbf
 
 
@@ -1002,9 +1007,7 @@ def accuracy_kernels():
     }
     for name, exact in (("RBF", rbf_exact), ("Matern12", matern12_exact), ("Matern52", matern52_exact)):
         kernels[f"gpjax-{name}"] = (
-            functools.partial(
-                lambda name: getattr(pytest.importorskip("gpjax").kernels, name)(lengthscale=ls), name
-            ),
+            functools.partial(lambda name: getattr(pytest.importorskip("gpjax").kernels, name)(lengthscale=ls), name),
             exact,
         )
     kernels["laplace-pair"] = (kernels["laplace-pair"][0], lambda x, y: np.exp(-np.sum(np.abs(x - y)) / ls))
