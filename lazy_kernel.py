@@ -255,7 +255,7 @@ class LazyKernel:
         self.batch_size = batch_size
         self.checkpoint = checkpoint
         self.dtype = _check_kernel(kernel, x1.shape[1], jnp.result_type(x1.dtype, x2.dtype))
-        self._transposed = False  # True: K[i, j] = kernel(x2[j], x1[i]), the transpose of an operator
+        self.transposed = False  # True: K[i, j] = kernel(x2[j], x1[i]), as in the transpose of an operator
         # Which kernel leaves are arrays (pytree children) is fixed here, not at each
         # flatten: JAX flattens pytrees whose leaves are placeholders, not arrays.
         self._array_leaves = tuple(map(_is_array, jax.tree_util.tree_leaves(kernel)))
@@ -331,7 +331,7 @@ class LazyKernel:
 
     def _rows_times(self, rhs):
         """The function ``points p -> K(p, x2) @ rhs`` that the engine runs on each block."""
-        kernel, cols, transposed = self.kernel, jnp.asarray(self.x2), self._transposed
+        kernel, cols, transposed = self.kernel, jnp.asarray(self.x2), self.transposed
         return lambda p: kernel_block(kernel, p, cols, transposed=transposed).astype(rhs.dtype) @ rhs
 
     def _block_rows(self, width, dtype):
@@ -365,22 +365,22 @@ class LazyKernel:
     @property
     def T(self) -> LazyKernel:
         """The transpose, ``K.T[i, j] = K[j, i]``, also lazy."""
-        transposed = object.__new__(LazyKernel)
-        transposed.__dict__.update(self.__dict__)
-        transposed.x1, transposed.x2 = self.x2, self.x1
-        transposed._transposed = not self._transposed
-        return transposed
+        flipped = object.__new__(LazyKernel)
+        flipped.__dict__.update(self.__dict__)
+        flipped.x1, flipped.x2 = self.x2, self.x1
+        flipped.transposed = not self.transposed
+        return flipped
 
     def to_dense(self) -> jax.Array:
         """The whole [M, N] matrix (it is materialised: for small problems and checks)."""
         x1, x2 = jnp.asarray(self.x1), jnp.asarray(self.x2)
-        return kernel_block(self.kernel, x1, x2, transposed=self._transposed).astype(self.dtype)
+        return kernel_block(self.kernel, x1, x2, transposed=self.transposed).astype(self.dtype)
 
     def diagonal(self) -> jax.Array:
         """``K[i, i]`` for ``i < min(M, N)``, from ``min(M, N)`` pair evaluations."""
         k = min(self.shape)
         x1, x2 = jnp.asarray(self.x1)[:k], jnp.asarray(self.x2)[:k]
-        return jax.vmap(self.kernel)(*((x2, x1) if self._transposed else (x1, x2))).astype(self.dtype)
+        return jax.vmap(self.kernel)(*((x2, x1) if self.transposed else (x1, x2))).astype(self.dtype)
 
     def __repr__(self):
         known = _measured_block(self, 1, self.dtype, given=self.batch_size, cached_only=True)
@@ -398,7 +398,7 @@ class LazyKernel:
         is_array = self._array_leaves
         arrays = [leaf for leaf, a in zip(leaves, is_array, strict=True) if a]
         static = tuple(leaf for leaf, a in zip(leaves, is_array, strict=True) if not a)
-        settings = (self.max_memory_mb, self.batch_size, self.checkpoint, self.dtype, self._transposed, is_array)
+        settings = (self.max_memory_mb, self.batch_size, self.checkpoint, self.dtype, self.transposed, is_array)
         return (arrays, self.x1, self.x2), (treedef, static, settings)
 
     @classmethod
@@ -406,7 +406,7 @@ class LazyKernel:
         treedef, static, settings = aux
         arrays, x1, x2 = children
         op = object.__new__(cls)
-        op.max_memory_mb, op.batch_size, op.checkpoint, op.dtype, op._transposed, op._array_leaves = settings
+        op.max_memory_mb, op.batch_size, op.checkpoint, op.dtype, op.transposed, op._array_leaves = settings
         arrays, static = iter(arrays), iter(static)
         op.kernel = treedef.unflatten([next(arrays) if a else next(static) for a in op._array_leaves])
         op.x1, op.x2 = x1, x2
@@ -811,8 +811,8 @@ def _compiled_peak(op, width, dtype, rows):
     def product(kernel, x1, x2, rhs):
         arrays = iter(kernel)
         kernel = treedef.unflatten([next(arrays) if _is_array(a) else a for a in leaves])
-        measured = LazyKernel(kernel, x1, x2, batch_size=rows, checkpoint=op.checkpoint)
-        measured._transposed = op._transposed
+        settings = dict(batch_size=rows, checkpoint=op.checkpoint)
+        measured = LazyKernel(kernel, x2, x1, **settings).T if op.transposed else LazyKernel(kernel, x1, x2, **settings)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the warning that a product without checkpoint is differentiated
             return measured @ rhs
@@ -855,17 +855,17 @@ def _peak_key(op, width, dtype):
     program on small blocks, which costs a trace but no compile.
     """
     leaves, treedef = jax.tree_util.tree_flatten(op.kernel)
-    kernel = (treedef, tuple(_spec(a) for a in leaves)) if all(op._array_leaves) else None
+    kernel = (treedef, tuple(_spec(a) for a in leaves)) if all(map(_is_array, leaves)) else None
     try:
         hash(kernel)
     except TypeError:  # static pytree data that cannot be hashed (a slice, say)
         kernel = None
     if kernel is None:
         probes = _probe_blocks(op.x1.shape[1], jnp.result_type(op.x1, op.x2))
-        block = functools.partial(kernel_block, op.kernel, transposed=op._transposed)
+        block = functools.partial(kernel_block, op.kernel, transposed=op.transposed)
         kernel = str(jax.make_jaxpr(block)(*probes))
     shapes = (_spec(op.x1), _spec(op.x2), width, jnp.dtype(dtype))
-    return (kernel, shapes, op._transposed, op.checkpoint, jax.default_backend(), PAIR_PROGRAM)
+    return (kernel, shapes, op.transposed, op.checkpoint, jax.default_backend(), PAIR_PROGRAM)
 
 
 # --------------------------------------------------------------------------

@@ -157,6 +157,7 @@ def test_transpose_dense_and_diagonal(kernel_name, dtype, device, layers):
     assert_close(op.T.diagonal(), np.diag(dense), dtype)
     assert op.to_dense().devices() == {device}
     assert op.T.shape == (8, 13) and op.T.T.kernel is kernel and op.T.T.x1 is x1 and op.T.x1 is x2
+    assert op.T.transposed and not op.transposed and not op.T.T.transposed
     for result in (op.to_dense(), op.diagonal(), op @ jnp.ones(8, dtype)):
         assert result.dtype == dtype
 
