@@ -370,6 +370,37 @@ def test_gradients_match_dense(checkpoint, side, pair_function, layers):
         assert_close(hessian, jax.hessian(dense_loss, argnums=3)(*args), jnp.float64)
 
 
+@pytest.mark.parametrize("kind", ["closure over a traced lengthscale", "pytree"])
+def test_measured_blocks_differentiate_like_the_dense_matrix(kind):
+    """A checkpointed product whose gradients get blocks of their own (measured when JAX differentiates)."""
+    rng = np.random.default_rng(19)
+    x1, x2, v = points(rng, 37, 3, jnp.float64), points(rng, 23, 3, jnp.float64), jnp.asarray(rng.normal(size=23))
+    args = (jnp.float64(0.8), x1, x2, v)
+
+    def loss(lengthscale, x1, x2, v):
+        if kind == "pytree":
+            kernel = RBF(lengthscale, 1.0)
+        else:
+            kernel = lambda a, b: jnp.exp(-0.5 * jnp.sum(((a - b) / lengthscale) ** 2))  # noqa: E731
+        return jnp.sum(jnp.sin(LazyKernel(kernel, x1, x2, max_memory_mb=1e-3, checkpoint=True) @ v))
+
+    def dense(lengthscale, x1, x2, v):
+        return jnp.sum(jnp.sin(rbf_dense_jnp(x1, x2, lengthscale, 1.0) @ v))
+
+    grads = {(0,): jax.jit, (1, 3): jax.jit, (0, 1, 2, 3): jax.jit, (2, 3): lambda g: g}  # jit outside, inside
+    for argnums, jit in grads.items():
+        wrapped = loss if jit is jax.jit else jax.jit(loss)
+        for got, want in zip(jit(jax.grad(wrapped, argnums))(*args), jax.grad(dense, argnums)(*args), strict=True):
+            assert_close(got, want, jnp.float64)
+    tangents = tuple(jnp.asarray(rng.normal(size=jnp.shape(a))) for a in args)
+    jvp = lambda f: jax.jit(lambda *a: jax.jvp(f, a, tangents)[1])(*args)  # noqa: E731
+    assert_close(jvp(loss), jvp(dense), jnp.float64)
+    assert_close(jax.jit(jax.hessian(loss))(*args), jax.hessian(dense)(*args), jnp.float64)
+    lengthscales = jnp.array([0.6, 0.9])
+    per_lengthscale = lambda f: jax.jit(jax.vmap(jax.grad(f), (0, None, None, None)))(lengthscales, *args[1:])  # noqa: E731
+    assert_close(per_lengthscale(loss), per_lengthscale(dense), jnp.float64)
+
+
 def test_gradient_through_an_operator_argument():
     rng = np.random.default_rng(7)
     x1, x2 = points(rng, 6, 2, jnp.float64), points(rng, 5, 2, jnp.float64)
@@ -534,8 +565,8 @@ def test_budget_bounds_the_peak(kernel_name, dim, device):
         kernel = treedef.unflatten([next(it) if p else leaf for leaf, p in zip(leaves, is_param, strict=True)])
         return LazyKernel(kernel, x1, x2, checkpoint=checkpoint, max_memory_mb=budget_mb)
 
-    def loss(params, x1, x2, v):
-        return jnp.sum(lazy(params, x1, x2, True) @ v)
+    def loss(params, x1, x2, v):  # not linear in K @ v, so XLA keeps the forward loop beside the backward one
+        return jnp.sum(jnp.sin(lazy(params, x1, x2, True) @ v))
 
     programs = {
         "K @ v": (lambda params, x1, x2, v: lazy(params, x1, x2, False) @ v, v),
@@ -552,19 +583,29 @@ def test_budget_bounds_the_peak(kernel_name, dim, device):
     assert forward.block_rows <= forward.batch_size_row and forward.block_cols <= forward.batch_size_col
     # what measure() reports is what XLA needs (its programs differ from these in their inputs only)
     assert forward.measure().peak_mb * 2**20 == pytest.approx(peaks["K @ v"], rel=0.05, abs=4096)
-    gradient_peak = max(peaks[name] for name in ("grad x1, v", "grad x2, v", "grad all"))
-    assert gradient.measure().peak_mb * 2**20 == pytest.approx(gradient_peak, rel=0.05, abs=4096)
+    wrt = {
+        "grad x1, v": ("x1", "operand"),
+        "grad x2, v": ("x2", "operand"),
+        "grad all": ("kernel", "x1", "x2", "operand"),
+    }
+    for name, names in wrt.items():
+        assert gradient.measure(wrt=names).peak_mb * 2**20 == pytest.approx(peaks[name], rel=0.05, abs=4096), name
 
 
 def test_one_row_over_the_budget_is_said_once():
+    def wide(x, y):  # a [64] value per pair: one row of a block holds [N, 64], far more than the data
+        return jnp.sum(jnp.sin((x - y) * jnp.arange(1.0, 65.0)))
+
     x1, x2 = jnp.zeros((53, 1), jnp.float32), jnp.zeros((5300, 1), jnp.float32)
-    op = LazyKernel(many_intermediates, x1, x2, max_memory_mb=1e-4, checkpoint=True)
+    op = LazyKernel(wide, x1, x2, max_memory_mb=1e-4, checkpoint=True)
     with pytest.warns(UserWarning, match=r"one row of a block needs [0-9.e-]+ MiB .*max_memory_mb=0.0001 plus"):
         assert op.block_rows == 1
+    with pytest.warns(UserWarning, match=r"one row of a block needs"):  # a gradient: another program
+        assert op.measure(wrt=("x1", "operand")).rows == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        again = LazyKernel(many_intermediates, x1, x2, max_memory_mb=1e-4, checkpoint=True)
-        assert again.block_rows == 1  # measured once, cached
+        again = LazyKernel(wide, x1, x2, max_memory_mb=1e-4, checkpoint=True)
+        assert again.block_rows == again.measure(wrt=("x1", "operand")).rows == 1  # measured once, cached
 
 
 def test_measurements_are_cached_by_what_decides_them(monkeypatch):
@@ -585,6 +626,27 @@ def test_measurements_are_cached_by_what_decides_them(monkeypatch):
     assert len(compiled) == after_rbf
     _ = LazyKernel(RBF(jnp.float32(0.7)), x[:30], x, max_memory_mb=0.05).block_rows  # a new shape: measured
     assert len(compiled) > after_rbf
+
+
+def test_each_program_is_measured_once_and_a_gradient_by_what_it_differentiates(monkeypatch):
+    compiled = count_compiles(monkeypatch)
+    rng = np.random.default_rng(18)
+    x, v = points(rng, 50, 2, jnp.float32), points(rng, 50, 1, jnp.float32)[:, 0]
+
+    def loss(s, x, v):  # a closure over a traced hyperparameter, made anew in every trace
+        op = LazyKernel(lambda a, b: scaled_laplace(a, b, s), x, x, checkpoint=True)
+        return jnp.sum(jnp.sin(op @ v))
+
+    def probes(f, *args):
+        before = len(compiled)
+        jax.block_until_ready(f(*args))
+        return len(compiled) - before
+
+    assert probes(jax.jit(jax.grad(loss, argnums=1)), 1.5, x, v) == 1  # the fastest block fits: one compile
+    assert probes(jax.jit(jax.grad(loss, argnums=1)), 2.5, x + 1, v) == 0  # new values, a new trace: cached
+    assert probes(jax.jit(jax.grad(loss, argnums=(0, 2))), 1.5, x, v) == 1  # another gradient: its own
+    assert probes(jax.jit(loss), 1.5, x, v) == 1  # the product alone
+    assert probes(jax.grad(jax.jit(loss), argnums=1), 1.5, x, v) == 0  # the product, then the gradient: both known
 
 
 def test_integer_kernels_are_measured_and_stay_integers():
