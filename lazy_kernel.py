@@ -339,7 +339,7 @@ class LazyKernel:
 
     @property
     def block_rows(self) -> int:
-        """Rows of K per block in ``K @ v`` (at most ``batch_size_row``); its gradients' are ``measure(wrt=...)``."""
+        """Rows of K per block in ``K @ v`` (at most ``batch_size_row``); a gradient's: ``measure(wrt=...)``."""
         if self.batch_size is None and MEASURED_BLOCKS:
             return _measured_block(self, 1, self.dtype).rows
         return max(1, min(self.batch_size_row, self.shape[0]))
@@ -728,6 +728,9 @@ def block_evaluation(kernel: PairKernel, dim: int, dtype=jnp.float32) -> str:
 
 CPU_BLOCK_BYTES = 4 * 2**20  # the fastest block size measured on a CPU (bench_lazy_kernel.py --blocks)
 CPU_MIN_BLOCK = 64  # blocks of 16 rows or columns were slower (bench_lazy_kernel.py --blocks)
+# Probes compile at XLA:CPU's lowest code-generation optimisation: the same
+# buffers (the tests compare measurements with the programs users compile) sooner.
+_PROBE_OPTIONS = {"cpu": {"xla_backend_optimization_level": 0}}
 
 
 class Measurement(NamedTuple):
@@ -939,12 +942,6 @@ def _value_and_pullback(run, argnums, *args):
 
     value, pullback = jax.vjp(moving, *(args[i] for i in argnums))
     return value, pullback(cotangent)
-
-
-# XLA:CPU assigns the same buffers at its lowest code-generation optimisation
-# (the tests compare measurements with the programs users compile), and
-# compiles probes faster so.
-_PROBE_OPTIONS = {"cpu": {"xla_backend_optimization_level": 0}}
 
 
 def _spec(a):
