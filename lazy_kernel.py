@@ -300,7 +300,7 @@ class LazyKernel:
         if self.batch_size is None and MEASURED_BLOCKS:
             out = _measured_product(self, rhs, dtype)  # layer 5
         else:
-            out = self._product(rhs, dtype, max(1, min(self.batch_size_row, m)))
+            out = self._product(rhs, dtype, self.block_rows)
         return jnp.moveaxis(out.reshape(m, *batch, k), 0, -2)
 
     def __rmatmul__(self, other):
@@ -760,11 +760,10 @@ def _measured_product(op, rhs, dtype):
 
     def at(block, inputs):
         rebuilt, operand = treedef.unflatten(inputs[: len(leaves)])
+        product = functools.partial(rebuilt._product, operand, dtype, block)
         if not closed_over:
-            return rebuilt._product(operand, dtype, block)
-        closed = jax.make_jaxpr(lambda: rebuilt._product(operand, dtype, block))()
-        replaced = {id(t): value for t, value in zip(closed_over, inputs[len(leaves) :], strict=True)}
-        return jax.core.eval_jaxpr(closed.jaxpr, [replaced.get(id(c), c) for c in closed.consts])[0]
+            return product()
+        return _eval_replacing(jax.make_jaxpr(product)(), closed_over, inputs[len(leaves) :])
 
     @jax.custom_jvp
     def product(*inputs):
@@ -773,13 +772,8 @@ def _measured_product(op, rhs, dtype):
     def gradient_at_its_block(primals, tangents):
         moved = tuple(not isinstance(t, jax.custom_derivatives.SymbolicZero) for t in tangents)
         block = _measured_block(op, width, dtype, differentiated=moved).rows
-
-        def moving(*values):
-            values = iter(values)
-            return at(block, [next(values) if m else p for p, m in zip(primals, moved, strict=True)])
-
-        pick = lambda xs: [x for x, m in zip(xs, moved, strict=True) if m]  # noqa: E731
-        return jax.jvp(moving, pick(primals), pick(tangents))
+        moving = _of_moved(functools.partial(at, block), primals, moved)
+        return jax.jvp(moving, _moved(primals, moved), _moved(tangents, moved))
 
     product.defjvp(gradient_at_its_block, symbolic_zeros=True)
     try:
@@ -788,6 +782,27 @@ def _measured_product(op, rhs, dtype):
         wrts = (("x1", "operand"), ("x2", "operand"), ("kernel", "x1", "x2", "operand"))
         block = min(_measured_block(op, width, dtype, differentiated=_differentiated(op, w)).rows for w in wrts)
         return op._product(rhs, dtype, block)
+
+
+def _eval_replacing(closed, tracers, values, *args):
+    """``closed`` (a ClosedJaxpr) evaluated on ``args``, each of ``tracers`` among its constants replaced by its
+    value in ``values``."""
+    replaced = {id(t): value for t, value in zip(tracers, values, strict=True)}
+    return jax.core.eval_jaxpr(closed.jaxpr, [replaced.get(id(c), c) for c in closed.consts], *args)[0]
+
+
+def _of_moved(f, inputs, moved):
+    """``f(inputs)`` as a function of the inputs that ``moved`` flags, the others held as they are."""
+
+    def of_moved(*values):
+        values = iter(values)
+        return f([next(values) if m else x for x, m in zip(inputs, moved, strict=True)])
+
+    return of_moved
+
+
+def _moved(inputs, moved):
+    return [x for x, m in zip(inputs, moved, strict=True) if m]
 
 
 def _differentiated(op, wrt):
@@ -904,43 +919,33 @@ def _compiled_peak(op, width, dtype, rows, differentiated):
             return measured @ rhs
 
     closed = jax.make_jaxpr(product)(inputs["kernel"], *inputs["x1"], *inputs["x2"], *inputs["rhs"])
-    traced = [isinstance(c, jax.core.Tracer) for c in closed.consts]
-    closed_over = [c for c, t in zip(closed.consts, traced, strict=True) if t]
+    closed_over = _closed_over(op)
     inputs["closed_over"] = [_spec(c) for c in closed_over]
     specs = [spec for group in inputs.values() for spec in group]
     given = len(specs) - len(closed_over)
 
     def run(*args):
-        replaced = iter(args[given:])
-        consts = [next(replaced) if t else c for c, t in zip(closed.consts, traced, strict=True)]
-        return jax.core.eval_jaxpr(closed.jaxpr, consts, *args[:given])[0]
+        return _eval_replacing(closed, closed_over, args[given:], *args[:given])
 
     program = run
     if differentiated is not None:
-        moved = {id(t) for t, m in zip(_closed_over(op), differentiated[given:], strict=True) if m}
-        flags = list(differentiated[:given]) + [id(c) in moved for c in closed_over]
-        argnums = [i for i, m in enumerate(flags) if m and jnp.issubdtype(specs[i].dtype, jnp.inexact)]
-        if argnums:
-            program = functools.partial(_value_and_pullback, run, argnums)
+        moved = [m and jnp.issubdtype(spec.dtype, jnp.inexact) for m, spec in zip(differentiated, specs, strict=True)]
+        if any(moved):
+            program = functools.partial(_value_and_pullback, run, moved)
             specs.append(jax.ShapeDtypeStruct((op.shape[0], width), dtype))  # the cotangent
     compiled = jax.jit(program).lower(*specs).compile(_PROBE_OPTIONS.get(jax.default_backend()))
     return compiled.memory_analysis().temp_size_in_bytes
 
 
-def _value_and_pullback(run, argnums, *args):
-    """``run``'s value and its pullback of a cotangent (the last of ``args``) to the inputs at ``argnums``.
+def _value_and_pullback(run, moved, *args):
+    """``run``'s value and its pullback of a cotangent (the last of ``args``) to the inputs ``moved`` flags.
 
     What any loss of the product needs. Not ``grad(sum(run))``: a loss that
     is linear in the product lets XLA drop the forward loop, and a nonlinear
     loss (sin, say) then needed up to 1.9x that program's temporaries.
     """
     *args, cotangent = args
-
-    def moving(*values):
-        inputs = dict(enumerate(args)) | dict(zip(argnums, values, strict=True))
-        return run(*(inputs[i] for i in range(len(args))))
-
-    value, pullback = jax.vjp(moving, *(args[i] for i in argnums))
+    value, pullback = jax.vjp(_of_moved(lambda a: run(*a), args, moved), *_moved(args, moved))
     return value, pullback(cotangent)
 
 
