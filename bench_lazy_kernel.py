@@ -3,7 +3,7 @@
     python bench_lazy_kernel.py --kernels 8192   # speed: K @ v and the checkpointed gradient, D = 3, 16, 64
     python bench_lazy_kernel.py --first-use 3000 # what measuring a block costs against the compile it guards
     python bench_lazy_kernel.py --split 8192     # written-out feature sums against XLA's reduction, by D
-    python bench_lazy_kernel.py --blocks 16384   # K @ v by block size: the CPU's cache-sized block
+    python bench_lazy_kernel.py --blocks 16384   # K @ v by block size; v @ K against K @ v by block kind
     python bench_lazy_kernel.py                  # all four at those sizes (about 15 minutes on 2 CPU cores)
 
 GPJax comes from the 'interop' extra. Everything a table compares runs in this
@@ -228,6 +228,19 @@ def split_table(n):
         )
 
 
+def without_pair_program(f):
+    """``f`` traced with every block the vmap form (the switch is read while tracing)."""
+
+    def traced(*args):
+        lazy_kernel.PAIR_PROGRAM = False
+        try:
+            return f(*args)
+        finally:
+            lazy_kernel.PAIR_PROGRAM = True
+
+    return traced
+
+
 def blocks_table(n):
     print(f"\n## By block size, lazy_kernel.RBF, M = N = {n}, D = 3, float32\n")
     print("| rows (columns) per block | MiB per block | K @ v, ms | v @ K, ms |")
@@ -244,6 +257,22 @@ def blocks_table(n):
             f"| {rows} | {rows * n * 4 / 2**20:.1f} | {seconds[i] * 1e3:.0f} | {seconds[len(sizes) + i] * 1e3:.0f} |",
             flush=True,
         )
+    print(f"\n## v @ K against K @ v by how blocks are computed, measured blocks, M = N = {n}, D = 3, float32\n")
+    print("| blocks | K @ v, ms | v @ K, ms | v @ K / K @ v |")
+    print("|---|---|---|---|")
+    kinds = {
+        "pair program (lazy_kernel.RBF)": (RBF(0.7), lambda f: f),
+        "cross_covariance (inexact GEMM RBF)": (GemmRBF(jnp.float32(0.7)), lambda f: f),
+        "vmap form (lazy_kernel.RBF, PAIR_PROGRAM = False)": (RBF(0.7), without_pair_program),
+    }
+    functions = []
+    for kernel, traced in kinds.values():
+        functions.append(traced(lambda x, v, kernel=kernel: LazyKernel(kernel, x, x) @ v))
+        functions.append(traced(lambda x, v, kernel=kernel: v @ LazyKernel(kernel, x, x)))
+    seconds = median_times(functions, (x, v))
+    for i, name in enumerate(kinds):
+        right_s, left_s = seconds[2 * i], seconds[2 * i + 1]
+        print(f"| {name} | {right_s * 1e3:.0f} | {left_s * 1e3:.0f} | {left_s / right_s:.2f} |", flush=True)
 
 
 def machine():

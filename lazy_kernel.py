@@ -118,13 +118,21 @@ def kernel_block(kernel: PairKernel, xa: jax.Array, xb: jax.Array, *, transposed
     where it applies (layer 4), else the kernel's ``cross_covariance``, else
     the vmap form: the reference.
     """
+    block, stored_transposed = _block(kernel, xa, xb, transposed)
+    return block.T if stored_transposed else block
+
+
+def _block(kernel, xa, xb, transposed):
+    """``kernel_block``'s block as it is computed, and whether that is its transpose, [len(xb), len(xa)]: a
+    ``cross_covariance`` fills blocks of K only, so a block of K.T is one of K, which the engine contracts as it
+    is (transposing it first took twice the time)."""
     if PAIR_PROGRAM and jax.default_backend() == "cpu":
         block = _pair_program_block(kernel, xa, xb, transposed)
         if block is not None:
-            return block
+            return block, False
     if hasattr(kernel, "cross_covariance"):
-        return kernel.cross_covariance(xb, xa).T if transposed else kernel.cross_covariance(xa, xb)
-    return _vmap_block(kernel, xa, xb, transposed)
+        return (kernel.cross_covariance(xb, xa), True) if transposed else (kernel.cross_covariance(xa, xb), False)
+    return _vmap_block(kernel, xa, xb, transposed), False
 
 
 def _vmap_block(kernel, xa, xb, transposed=False):
@@ -334,7 +342,13 @@ class LazyKernel:
         """``K @ rhs``, rhs [N, width], by the engine at ``block`` rows per block."""
         op, rhs = (self, rhs) if self.checkpoint else _warn_if_differentiated((self, rhs))
         kernel, cols, transposed = op.kernel, jnp.asarray(op.x2), op.transposed
-        rows_times = lambda p: kernel_block(kernel, p, cols, transposed=transposed).astype(dtype) @ rhs  # noqa: E731
+
+        def rows_times(rows):
+            block, stored_transposed = _block(kernel, rows, cols, transposed)
+            if stored_transposed:  # [len(cols), len(rows)]: contracted along its first axis
+                return jax.lax.dot_general(block.astype(dtype), rhs, (((0,), (0,)), ((), ())))
+            return block.astype(dtype) @ rhs
+
         return _blockwise_matmul(rows_times, jnp.asarray(op.x1), rhs.shape[1], dtype, block, op.checkpoint, (op, rhs))
 
     @property
@@ -585,10 +599,15 @@ def _of_both(args):
 
 
 def _feature(a, index):
-    """The [B, N] array of one feature of a block value (a value with no features is its own)."""
+    """The [B, N] array of one feature of a block value (a value with no features is its own).
+
+    An axis of size 1 broadcasts, as in ``lax.sub(f32[3], f32[1])``: its one feature serves every index.
+    """
+    shape = a.parts.shape if isinstance(a, _Split) else a.shape[2:]
+    index = tuple(0 if size == 1 else i for i, size in zip(index[len(index) - len(shape) :], shape, strict=True))
     if isinstance(a, _Split):
         return a.parts[index]
-    return a if a.ndim == 2 else a[(slice(None), slice(None), *index)]
+    return a[(slice(None), slice(None), *index)]
 
 
 def _dense(a):

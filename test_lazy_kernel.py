@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 import lazy_kernel
@@ -41,6 +41,24 @@ def skewed_np(x, y):
     return np.exp(-0.5 * np.sum((x - y) ** 2)) * (1.5 + np.sin(x[0]))
 
 
+@jax.tree_util.register_pytree_node_class
+class SkewedCrossCovariance:
+    """``skewed`` with a ``cross_covariance`` of its own (broadcast, not vmapped): blocks come from it."""
+
+    def __call__(self, x, y):
+        return skewed(x, y)
+
+    def cross_covariance(self, x1, x2):
+        return jnp.exp(-0.5 * jnp.sum((x1[:, None] - x2[None]) ** 2, -1)) * (1.5 + jnp.sin(x1[:, :1]))
+
+    def tree_flatten(self):
+        return (), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls()
+
+
 def scaled_laplace(x, y, scale):
     return jnp.exp(-jnp.sum(jnp.abs(x - y)) / scale)
 
@@ -52,6 +70,7 @@ def rbf_np(x, y, lengthscale=0.8, variance=1.7):
 KERNELS = {
     "rbf-pytree": (RBF(0.8, 1.7), rbf_np),
     "skewed-function": (skewed, skewed_np),
+    "skewed-cross-covariance": (SkewedCrossCovariance(), skewed_np),
     "laplace-partial": (
         functools.partial(scaled_laplace, scale=1.3),
         lambda x, y: np.exp(-np.sum(np.abs(x - y)) / 1.3),
@@ -794,6 +813,14 @@ def _zoo():
     def _(p):
         return lambda x, y: jnp.arccos(jnp.clip(jnp.dot(x, y) / (1e-9 + jnp.dot(x, x) + jnp.dot(y, y)), -1, 1))
 
+    @add("var-of-difference", [3, 9])  # a kept axis of size 1 broadcast against each feature: an IndexError once
+    def _(p):
+        return lambda x, y: jnp.var(x - y) / p[0]
+
+    @add("mean-keepdims-broadcast", [4], jnp.float32)
+    def _(p):
+        return lambda x, y: jnp.sum(jnp.abs((x - y) - jnp.mean(x - y, keepdims=True)))
+
     @add("debug-print", [3])
     def _(p):
         def kernel(x, y):
@@ -915,23 +942,27 @@ def test_the_zoo_is_large():
 
 @pytest.mark.parametrize("name", sorted(ZOO))
 def test_zoo_blocks_and_products_match_the_vmap_form(name):
+    """The block, and both products on the same blocks, against the vmap form: one jitted program each."""
     make, dim, dtype, params = ZOO[name]
     kernel = make(params)
     x1, x2 = zoo_points(dim, dtype, seed=len(name))
-    both = jax.jit(lambda a, b: (kernel_block(kernel, a, b), lazy_kernel._vmap_block(kernel, a, b)))
-    fast, vmapped = both(x1, x2)
-    assert_as_vmap(fast, vmapped, dtype)
-    if jnp.issubdtype(fast.dtype, jnp.inexact) and jnp.dtype(fast.dtype).itemsize >= 4:  # through the engine too
-        rng = np.random.default_rng(1)
-        v, w = (jnp.asarray(rng.normal(size=size), fast.dtype) for size in (4, 5))
+    out = LazyKernel(kernel, x1, x2).dtype
+    rng = np.random.default_rng(1)
+    v, w = (jnp.asarray(rng.normal(size=size), out) for size in (4, 5))
+    through_the_engine = jnp.issubdtype(out, jnp.inexact) and out.itemsize >= 4
+
+    def forms(x1, x2, v, w):
         op = LazyKernel(kernel, x1, x2, batch_size=2)
-        products = jax.jit(lambda v, w: (op @ v, w @ op))
-        fast = products(v, w)
+        fast = (kernel_block(kernel, x1, x2), *((op @ v, w @ op) if through_the_engine else ()))
         with pytest.MonkeyPatch.context() as patch:  # the vmap form on the same blocks (XLA's pow, say,
             patch.setattr(lazy_kernel, "PAIR_PROGRAM", False)  # rounds differently on other shapes)
-            vmapped = jax.jit(lambda v, w: (op @ v, w @ op))(v, w)
-        for got, want in zip(fast, vmapped, strict=True):
-            assert_as_vmap(got, want, dtype, scale=float(np.abs(np.asarray(want)).max(initial=0.0)) * 5)
+            vmapped = (lazy_kernel._vmap_block(kernel, x1, x2), *((op @ v, w @ op) if through_the_engine else ()))
+        return fast, vmapped
+
+    (block, *products), (vmapped_block, *vmapped_products) = jax.jit(forms)(x1, x2, v, w)
+    assert_as_vmap(block, vmapped_block, dtype)
+    for got, want in zip(products, vmapped_products, strict=True):
+        assert_as_vmap(got, want, dtype, scale=float(np.abs(np.asarray(want)).max(initial=0.0)) * 5)
 
 
 DERIVATIVE_ZOO = [
@@ -1039,6 +1070,155 @@ def test_gpjax_kernels_take_the_pair_program_without_fallbacks(device):
         pytest.skip("the pair program runs on CPU")
     for kernel in (gpjax.kernels.RBF(), gpjax.kernels.Matern52(), gpjax.kernels.Periodic(), gpjax.kernels.Linear()):
         assert lazy_kernel.block_evaluation(kernel, 3) == "pair program", kernel
+
+
+# -- generated kernels: a grammar of the operations kernels use, against the vmap form -----------------
+
+_UNARY = {  # name -> (function, input rank: 1 = a vector only, None = any)
+    "abs": (jnp.abs, None),
+    "neg": (jnp.negative, None),
+    "sqrt-abs": (lambda a: jnp.sqrt(jnp.abs(a)), None),
+    "exp-neg-abs": (lambda a: jnp.exp(-jnp.abs(a)), None),
+    "log1p-abs": (lambda a: jnp.log1p(jnp.abs(a)), None),
+    "clip": (lambda a: jnp.clip(a, -1.5, 2), None),
+    "pow-1.5": (lambda a: jnp.abs(a) ** 1.5, None),
+    "square": (lambda a: a**2, None),
+    "scale": (lambda a: a * 0.7, None),
+    "divide": (lambda a: a / 1.3, None),
+    "to-float32": (lambda a: a.astype(jnp.float32), None),
+    "to-float64": (lambda a: a.astype(jnp.float64), None),
+    "to-int32": (lambda a: jnp.round(a).astype(jnp.int32), None),
+    "cumsum": (jnp.cumsum, 1),
+    "sort": (jnp.sort, 1),
+    "reverse": (lambda a: a[::-1], 1),
+    "head": (lambda a: a[: max(1, a.shape[0] // 2)], 1),
+    "first": (lambda a: a[0], 1),
+    "last-kept": (lambda a: a[-1:], 1),
+    "at-argmax": (lambda a: a[jnp.argmax(a)], 1),
+    "argmax": (jnp.argmax, 1),
+    "fold-sum": (lambda a: a.reshape(2, -1).sum(0) if a.shape[0] % 2 == 0 else a, 1),
+    "outer-max": (lambda a: jnp.max(jnp.outer(a, a), axis=0), 1),
+    "self-dot": (lambda a: jnp.dot(a, a), 1),
+    **{
+        f"{name}{'-keepdims' if keep else ''}": (functools.partial(reduce, keepdims=keep), 1)
+        for name, reduce in {
+            "sum": jnp.sum, "mean": jnp.mean, "var": jnp.var, "std": jnp.std, "max": jnp.max, "min": jnp.min
+        }.items()
+        for keep in (False, True)
+    },
+}
+_BINARY = {
+    "add": jnp.add,
+    "sub": jnp.subtract,
+    "mul": jnp.multiply,
+    "where-greater": lambda a, b: jnp.where(a > b, a, b - 1),
+    "maximum": jnp.maximum,
+    "dot": lambda a, b: jnp.dot(a, b),
+    "einsum": lambda a, b: jnp.einsum("i,i->", a, b),
+    "matmul": lambda a, b: jnp.matmul(a, b),
+    "concatenate": lambda a, b: jnp.concatenate([jnp.atleast_1d(a), jnp.atleast_1d(b)]),
+}
+_CONTRACTIONS = ("dot", "einsum", "matmul")
+
+
+@st.composite
+def kernel_programs(draw):
+    """(text, kernel): a pair kernel of a few steps, each one operation of the grammar on earlier values."""
+    values, names = [(), ()], ["x", "y"]  # shapes and texts; the values themselves are built at call time
+    steps = [("sub", 0, 1)]  # most kernels start from the difference
+    values.append(None)
+    names.append("x - y")
+    for _ in range(draw(st.integers(1, 5))):
+        if draw(st.booleans()):
+            op = draw(st.sampled_from(sorted(_UNARY)))
+            steps.append((op, draw(st.integers(0, len(names) - 1))))
+        else:
+            op = draw(st.sampled_from(sorted(_BINARY)))
+            steps.append((op, draw(st.integers(0, len(names) - 1)), draw(st.integers(0, len(names) - 1))))
+        names.append(f"{op}({', '.join(names[i] for i in steps[-1][1:])})")
+
+    def kernel(x, y):
+        values = [x, y]
+        for op, *args in steps:
+            fn = _UNARY[op][0] if op in _UNARY else _BINARY[op]
+            values.append(fn(*(values[i] for i in args)))
+        out = values[-1]
+        return jnp.sum(out) if jnp.ndim(out) else out
+
+    return names[-1], kernel
+
+
+
+
+@settings(max_examples=300 if os.environ.get("CI") else 40)
+@given(
+    program=kernel_programs(),
+    dim=st.integers(0, 20),
+    dtype=st.sampled_from([jnp.float32, jnp.float64, jnp.int32]),
+    seed=st.integers(0, 9),
+)
+def test_generated_kernels_run_as_the_vmap_form(program, dim, dtype, seed):
+    """A kernel the vmap form runs runs lazily with its numbers; one it rejects is rejected with its error."""
+    text, kernel = program
+    note(text)
+    check_generated(kernel, *zoo_points(dim, dtype, seed))
+
+
+def within_contract(fast, vmapped, oracle, scale):
+    """|fast - oracle| <= 4 |vmapped - oracle| + 16 eps scale at worst; the same NaNs; integers equal."""
+    assert fast.dtype == vmapped.dtype, (fast.dtype, vmapped.dtype)
+    fast, vmapped = np.asarray(fast), np.asarray(vmapped)
+    if not jnp.issubdtype(fast.dtype, jnp.inexact):
+        np.testing.assert_array_equal(fast, vmapped)
+        return
+    np.testing.assert_array_equal(np.isnan(fast), np.isnan(vmapped))
+    finite = np.isfinite(vmapped) & np.isfinite(oracle)
+    np.testing.assert_array_equal(fast[~finite & ~np.isnan(vmapped)], vmapped[~finite & ~np.isnan(vmapped)])
+    oracle = np.asarray(oracle, np.float64)
+    error = lambda a: np.abs(a[finite] - oracle[finite]).max(initial=0.0)  # noqa: E731
+    eps = float(jnp.finfo(fast.dtype).eps)
+    assert error(fast) <= 4 * error(vmapped) + 16 * eps * scale, (error(fast), error(vmapped), scale)
+
+
+def generated_programs(kernel, x1, x2):
+    """One jitted program of x1: the block, both products and the gradient of sum(sin(K @ v)) w.r.t. x1, each
+    as (lazy, vmap form), the lazy ones None on points of another dtype (the oracle's)."""
+    vmap_form = functools.partial(lazy_kernel._vmap_block, kernel)
+    dtype = jax.eval_shape(vmap_form, x1, x2).dtype
+    v, w = (jnp.asarray(np.arange(n) % 3 - 1, dtype) for n in (x2.shape[0], x1.shape[0]))
+
+    def run(x1_):
+        lazily = x1_.dtype == x1.dtype
+        dense = vmap_form(x1_, x2.astype(x1_.dtype))
+        op = LazyKernel(kernel, x1, x2, batch_size=2)
+        values = {"block": (kernel_block(kernel, x1, x2) if lazily else None, dense)}
+        values["K @ v"] = (op @ v if lazily else None, dense @ v.astype(dense.dtype))
+        values["w @ K"] = (w @ op if lazily else None, w.astype(dense.dtype) @ dense)
+        if jnp.issubdtype(x1.dtype, jnp.floating) and jnp.issubdtype(dtype, jnp.floating):
+            loss = lambda block: lambda x1: jnp.sum(jnp.sin(block(kernel, x1, x2.astype(x1.dtype)) @ v))  # noqa: E731
+            fast = jax.grad(loss(kernel_block))(x1_) if lazily else None
+            values["gradient"] = (fast, jax.grad(loss(lazy_kernel._vmap_block))(x1_))
+        return values
+
+    return jax.jit(run)
+
+
+def check_generated(kernel, x1, x2):
+    """The lazy forms of ``kernel`` against its vmap form; on float32 points the oracle is the vmap form on
+    float64 points."""
+    try:
+        jax.eval_shape(functools.partial(lazy_kernel._vmap_block, kernel), x1, x2)
+    except Exception as error:  # the kernel's own error: the operator must raise it too, not one of its own
+        with pytest.raises(type(error)):
+            LazyKernel(kernel, x1, x2) @ jnp.ones(x2.shape[0])
+        return
+    programs = generated_programs(kernel, x1, x2)
+    values = programs(x1)
+    oracles = programs(x1.astype(jnp.float64)) if x1.dtype == jnp.float32 else values
+    for name, (fast, vmapped) in values.items():
+        oracle = np.asarray(oracles[name][1])
+        magnitude = np.abs(oracle[np.isfinite(oracle)]) if oracle.dtype.kind in "fc" else np.abs(oracle)
+        within_contract(fast, vmapped, oracle, scale=float(max(1.0, magnitude.max(initial=0.0))))
 
 
 # -- accuracy: against an extended-precision oracle --------------------------------------
