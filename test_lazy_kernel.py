@@ -1150,7 +1150,7 @@ def kernel_programs(draw):
 
 
 
-@settings(max_examples=300 if os.environ.get("CI") else 40)
+@settings(max_examples=200 if os.environ.get("CI") else 40)
 @given(
     program=kernel_programs(),
     dim=st.integers(0, 20),
