@@ -1,10 +1,11 @@
 """Benchmark LazyKernel: users' kernels against the module's RBF, the inexact GEMM form and a ceiling.
 
-    python bench_lazy_kernel.py --kernels 8192   # speed: K @ v and the checkpointed gradient, D = 3, 16, 64
+    python bench_lazy_kernel.py --kernels 8192   # speed: K @ v and the checkpointed gradient, D = 3 to 256
+    python bench_lazy_kernel.py --real           # the GP gradient on scikit-learn's data sets (if installed)
     python bench_lazy_kernel.py --first-use 3000 # what measuring a block costs against the compile it guards
     python bench_lazy_kernel.py --split 8192     # written-out feature sums against XLA's reduction, by D
     python bench_lazy_kernel.py --blocks 16384   # K @ v by block size; v @ K against K @ v by block kind
-    python bench_lazy_kernel.py                  # all four at those sizes (about 15 minutes on 2 CPU cores)
+    python bench_lazy_kernel.py                  # all five at those sizes
 
 GPJax comes from the 'interop' extra. Everything a table compares runs in this
 one process on the same data (float32), timed round-robin so that load drifting
@@ -110,36 +111,78 @@ def ceiling(n, rows):
     return run
 
 
+def timed_kernels(made, x, v):
+    """Median seconds of K @ v at x and of the checkpointed gradient of sum(sin(K @ v)) (lengthscales, points,
+    v) at half of x, for each kernel made from per-feature lengthscales, round-robin; and the ceiling's."""
+    n, dim = x.shape
+    ls = jnp.linspace(0.5, 1.5, dim, dtype=jnp.float32) * np.sqrt(dim / 3)
+    forward, gradient = [], []
+    for make in made.values():
+        forward.append(lambda ls, x, v, make=make: LazyKernel(make(ls), x, x) @ v)
+        loss = lambda ls, x, v, make=make: jnp.sum(jnp.sin(LazyKernel(make(ls), x, x, checkpoint=True) @ v))  # noqa: E731
+        gradient.append(jax.grad(loss, argnums=(0, 1, 2)))
+    rows = LazyKernel(RBF(ls), x, x).block_rows
+    forward_s = median_times([*forward, lambda ls, x, v: ceiling(n, rows)(x, v)], (ls, x, v))
+    gradient_s = median_times(gradient, (ls, x[: n // 2], v[: n // 2]))
+    return forward_s[:-1], gradient_s, forward_s[-1], rows
+
+
 def kernels_table(n, gpjax):
-    print(f"\n## Speed, float32, ratios to lazy_kernel.RBF in the same run: K @ v at M = N = {n}, the")
-    print(f"## checkpointed gradient of sum(sin(K @ v)) (lengthscales, points, v) at M = N = {n // 2}\n")
+    print(f"\n## Speed, float32, ratios to the inexact GEMM RBF in the same run: K @ v at M = N = {n}, the")
+    print(f"## checkpointed gradient of sum(sin(K @ v)) (lengthscales, points, v) at M = N = {n // 2}; at D = 256")
+    print("## half of each\n")
     print("| kernel | D | K @ v, ms | ratio | checkpointed gradient, ms | ratio |")
     print("|---|---|---|---|---|---|")
     made = kernels(gpjax)
-    for dim in (3, 16, 64):
+    reference = list(made).index("inexact GEMM RBF (reference)")
+    for dim in (3, 16, 64, 256):
         rng = np.random.default_rng(0)
-        x = jnp.asarray(rng.normal(size=(n, dim)), jnp.float32)
-        v = jnp.asarray(rng.normal(size=n), jnp.float32)
-        ls = jnp.linspace(0.5, 1.5, dim, dtype=jnp.float32) * np.sqrt(dim / 3)
-        forward, gradient = [], []
-        for make in made.values():
-            forward.append(lambda ls, x, v, make=make: LazyKernel(make(ls), x, x) @ v)
-            loss = lambda ls, x, v, make=make: jnp.sum(jnp.sin(LazyKernel(make(ls), x, x, checkpoint=True) @ v))  # noqa: E731
-            gradient.append(jax.grad(loss, argnums=(0, 1, 2)))
-        rows = LazyKernel(RBF(ls), x, x).block_rows
-        forward_s = median_times([*forward, lambda ls, x, v, rows=rows: ceiling(n, rows)(x, v)], (ls, x, v))
-        gradient_s = median_times(gradient, (ls, x[: n // 2], v[: n // 2]))
+        size = n if dim < 256 else n // 2
+        x = jnp.asarray(rng.normal(size=(size, dim)), jnp.float32)
+        v = jnp.asarray(rng.normal(size=size), jnp.float32)
+        forward_s, gradient_s, ceiling_s, rows = timed_kernels(made, x, v)
         for i, name in enumerate(made):
             print(
-                f"| {name} | {dim} | {forward_s[i] * 1e3:.0f} | {forward_s[i] / forward_s[0]:.2f} "
-                f"| {gradient_s[i] * 1e3:.0f} | {gradient_s[i] / gradient_s[0]:.2f} |",
+                f"| {name} | {dim} | {forward_s[i] * 1e3:.0f} | {forward_s[i] / forward_s[reference]:.2f} "
+                f"| {gradient_s[i] * 1e3:.0f} | {gradient_s[i] / gradient_s[reference]:.2f} |",
                 flush=True,
             )
         print(
-            f"| ceiling: exp + matvec on {rows}-row blocks | {dim} | {forward_s[-1] * 1e3:.0f} "
-            f"| lazy_kernel.RBF at {forward_s[-1] / forward_s[0]:.2f} of it | | |",
+            f"| ceiling: exp + matvec on {rows}-row blocks | {dim} | {ceiling_s * 1e3:.0f} "
+            f"| lazy_kernel.RBF at {ceiling_s / forward_s[0]:.2f} of it | | |",
             flush=True,
         )
+
+
+def real_table(gpjax):
+    """The GP gradient on scikit-learn's bundled data sets (standardised), ratios to the inexact GEMM RBF."""
+    try:
+        from sklearn import datasets
+    except ImportError:
+        print("\nscikit-learn is not installed: no real-data table")
+        return
+    print("\n## Real data (scikit-learn, standardised), float32: the checkpointed gradient of sum(sin(K @ v))")
+    print("## (lengthscales, points, v), ratios to the inexact GEMM RBF in the same run\n")
+    print("| data | N x D | kernel | gradient, ms | ratio |")
+    print("|---|---|---|---|---|")
+    made = kernels(gpjax)
+    reference = list(made).index("inexact GEMM RBF (reference)")
+    for name, load in (
+        ("digits", datasets.load_digits),
+        ("breast cancer", datasets.load_breast_cancer),
+        ("diabetes", datasets.load_diabetes),
+    ):
+        data = load().data
+        data = (data - data.mean(0)) / np.maximum(data.std(0), 1e-12)
+        x = jnp.asarray(np.concatenate([data, data]), jnp.float32)  # the gradient runs on the first half: all of it
+        v = jnp.asarray(np.random.default_rng(0).normal(size=len(x)), jnp.float32)
+        _, gradient_s, _, _ = timed_kernels(made, x, v)
+        for i, kernel in enumerate(made):
+            print(
+                f"| {name} | {data.shape[0]} x {data.shape[1]} | {kernel} | {gradient_s[i] * 1e3:.0f} "
+                f"| {gradient_s[i] / gradient_s[reference]:.2f} |",
+                flush=True,
+            )
 
 
 def first_call_seconds(f, *args):
@@ -291,9 +334,10 @@ def main():
     parser.add_argument("--first-use", type=int, metavar="N")
     parser.add_argument("--split", type=int, metavar="N")
     parser.add_argument("--blocks", type=int, metavar="N")
+    parser.add_argument("--real", action="store_true")
     args = parser.parse_args()
     if not any(vars(args).values()):
-        args = argparse.Namespace(kernels=8192, first_use=3000, split=8192, blocks=16384)
+        args = argparse.Namespace(kernels=8192, first_use=3000, split=8192, blocks=16384, real=True)
     try:
         import gpjax
     except ImportError:
@@ -308,6 +352,8 @@ def main():
         split_table(args.split)
     if args.blocks:
         blocks_table(args.blocks)
+    if args.real:
+        real_table(gpjax)
 
 
 if __name__ == "__main__":

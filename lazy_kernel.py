@@ -510,8 +510,8 @@ def _pair_program_block(kernel, xa, xb, transposed=False, vmapped=None):
     program = jax.make_jaxpr(lambda x, y: kernel(x, y))(first[0, 0], second[0, 0])  # __name__ may not be a str
     if program.jaxpr.effects:
         return None
-    (out,) = _run(program.jaxpr, program.consts, [first, second], set() if vmapped is None else vmapped)
-    return jnp.broadcast_to(_dense(out), (xa.shape[0], xb.shape[0]))
+    (out,) = _run(program.jaxpr, program.consts, _scaled_inputs(first, second), set() if vmapped is None else vmapped)
+    return jnp.broadcast_to(_dense(_evaluated(out)), (xa.shape[0], xb.shape[0]))
 
 
 _CALLS = ("pjit", "jit", "closed_call")  # run inline, so that their equations meet the rules
@@ -528,21 +528,44 @@ def _run(jaxpr, consts, args, vmapped):
 
     env.update(zip(jaxpr.constvars, [jnp.asarray(c)[None, None] for c in consts], strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
+    done = {}  # equation key -> (its arguments, kept alive so that their ids stay theirs; its outputs)
     for eqn in jaxpr.eqns:
         args = [read(var) for var in eqn.invars]
+        key = _equation_key(eqn, args)
+        if key in done:  # computed before (GPJax's softplus of its lengthscale, twice): the same values
+            env.update(zip(eqn.outvars, done[key][1], strict=True))
+            continue
         if eqn.primitive.name in _CALLS:
             inner = eqn.params.get("jaxpr") or eqn.params["call_jaxpr"]
             inner = inner if isinstance(inner, jax.extend.core.ClosedJaxpr) else jax.extend.core.ClosedJaxpr(inner, [])
             outs = _run(inner.jaxpr, inner.consts, args, vmapped)
         else:
-            rule = _RULES.get(eqn.primitive.name)
-            outs = rule(eqn, args) if rule else None
+            outs = _scaling_rule(eqn, args)
+            if outs is None:
+                args = [_evaluated(a) for a in args]
+                rule = _RULES.get(eqn.primitive.name)
+                outs = rule(eqn, args) if rule else None
         if outs is None:
             if any(_of_both([a]) for a in args):  # an argument of both points: vmapped on pairs
                 vmapped.add(eqn.primitive.name)
             outs = _by_vmap(eqn, args)
+        if key is not None:
+            done[key] = (args, outs)
         env.update(zip(eqn.outvars, outs, strict=True))
     return [read(var) for var in jaxpr.outvars]
+
+
+def _equation_key(eqn, args):
+    """What an equation computes: its primitive, parameters and argument values (by identity); None with
+    effects. Equal keys mean equal outputs, so that ``x/s - y/s`` with ``s`` computed twice is seen as two
+    points scaled alike (see _Scaled)."""
+    if eqn.effects:
+        return None
+    params = tuple(
+        (k, id(v) if isinstance(v, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr)) else repr(v))
+        for k, v in sorted(eqn.params.items())
+    )
+    return eqn.primitive, params, tuple(map(id, args))
 
 
 def _elementwise(eqn, args):
@@ -640,6 +663,72 @@ def _by_vmap(eqn, args):
     outs = jax.vmap(per_row, [0 if r else None for r in by_row])(*rows) if any(by_row) else per_row(*rows)
     missing = [axis for axis, mapped in ((0, any(by_row)), (1, any(by_col))) if not mapped]
     return [jnp.expand_dims(out, missing) for out in outs]
+
+
+class _Scaled:
+    """A point (the kernel's argument, [B, 1, D] or [1, N, D]) held with the steps applied to it so far, each
+    multiplying or dividing by a value of neither point, or negating, as equation ``eqn`` did (with ``other``
+    at ``position`` among its arguments).
+
+    Two points scaled by the same steps are subtracted before they are scaled: ``x/s - y/s`` is computed as
+    ``(x - y)/s``, so that equal points differ by exactly zero and near ones by their difference rounded
+    once. Scaled first, each point's rounding (XLA's float32 division is not even correctly rounded) enters
+    the difference, and a near-duplicate's gradient (GPJax's kernels) was off by far more than the vmap
+    form's, which XLA fuses pair by pair.
+    """
+
+    def __init__(self, point, steps=()):
+        self.point, self.steps = point, steps
+
+    def then(self, eqn, other, position):
+        return _Scaled(self.point, (*self.steps, (eqn, other, position)))
+
+    def scaling(self, value):
+        """The steps, applied to a block value as the kernel's program applies them."""
+        for eqn, other, position in self.steps:
+            (value,) = _elementwise(eqn, [value] if other is None else [other, value][:: 2 * position - 1])
+        return value
+
+
+def _evaluated(a):
+    return a.scaling(a.point) if isinstance(a, _Scaled) else a
+
+
+def _scaled_inputs(first, second):
+    """The kernel's two arguments, as _Scaled where they are real floating points."""
+    return [_Scaled(p) if jnp.issubdtype(p.dtype, jnp.floating) else p for p in (first, second)]
+
+
+def _scaling_rule(eqn, args):
+    """Outputs for an equation that scales a _Scaled point, or subtracts two scaled alike (their difference,
+    then the steps); None for any other (its arguments are then evaluated)."""
+    name, out = eqn.primitive.name, eqn.outvars[0].aval
+    lazy = [i for i, a in enumerate(args) if isinstance(a, _Scaled)]
+    if not lazy:
+        return None
+    first = args[lazy[0]]
+    if out.shape != first.point.shape[2:] or out.dtype != first.point.dtype:
+        return None
+    if name == "neg":
+        return [first.then(eqn, None, 0)]
+    if name in ("mul", "div") and len(lazy) == 1 and (name == "mul" or lazy == [0]):
+        other = args[1 - lazy[0]]
+        if not isinstance(other, _Split) and other.shape[:2] == (1, 1):  # a value of neither point
+            return [first.then(eqn, other, lazy[0])]
+    if name == "sub" and len(lazy) == 2:
+        a, b = args
+        if a.point is not b.point and _same_steps(a.steps, b.steps):
+            (difference,) = _elementwise(eqn, [a.point, b.point])
+            return [a.scaling(difference)]
+    return None
+
+
+def _same_steps(s, t):
+    """Whether two lists of steps are the same equations with the same values of neither point."""
+    return len(s) == len(t) and all(
+        e.primitive is f.primitive and e.params == f.params and o is u and p == q
+        for (e, o, p), (f, u, q) in zip(s, t, strict=True)
+    )
 
 
 def _vmap_or_no_cross_covariance(kernel, xa, xb):
