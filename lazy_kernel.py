@@ -21,7 +21,7 @@ Two optional layers follow, each with a switch (set it before tracing; ``jit``
 keeps what it traced), each entered from the core only at the functions named:
 
 4. ``PAIR_PROGRAM``: on CPU, blocks from the kernel's own program run on
-   whole blocks (``_pair_program_block``): the vmap form's numbers, faster.
+   whole blocks (``_pair_program_block``): the vmap form's accuracy, faster.
 5. ``MEASURED_BLOCKS``: the block size from XLA's measured peak of the program
    that runs, so that the budget bounds the real memory, gradients included
    (``_measured_product`` for products; ``_measured_block`` and
@@ -472,11 +472,12 @@ def _warn_on_derivative(primals, tangents):
 #   a sum of [b, n] arrays: the hand-written kernel. (Beyond that, the gain
 #   over XLA's reduction of a [b, n, S] array shrank, and compiles grew long.)
 #
-# Every rule computes exactly what the vmap form computes, element by element:
-# the same primitive on the same values. Only sums (``reduce_sum``, a dot of
-# two vectors) may add their terms in another order, which is as accurate.
-# An equation no rule takes is vmapped on its own (``_by_vmap``), and a kernel
-# the program does not take at all (``None``) gets the vmap form.
+# Every rule applies the vmap form's primitives to the same values, with two
+# exceptions, each at least as accurate: sums (``reduce_sum``, a dot of two
+# vectors) may add their terms in another order, and two points scaled alike
+# are subtracted before they are scaled (``_Scaled``). An equation no rule
+# takes is vmapped on its own (``_by_vmap``), and a kernel the program does
+# not take at all (``None``) gets the vmap form.
 
 SPLIT_FEATURES_MAX = 16  # bench_lazy_kernel.py --split, and the README's note on compile times
 
