@@ -1059,7 +1059,9 @@ def _value_and_pullback(run, moved, *args):
 
 
 def _spec(a):
-    return jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
+    """An array's abstract value, weak type included: a weakly typed float64 scalar (GPJax's variance, with
+    x64 on) times float32 values is float32, a strong one float64."""
+    return jax.core.ShapedArray(jnp.shape(a), jnp.result_type(a), weak_type=getattr(a, "weak_type", False))
 
 
 def _peak_key(op, width, dtype):

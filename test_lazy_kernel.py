@@ -377,16 +377,20 @@ def test_gradients_match_dense(checkpoint, side, pair_function, layers):
         return jnp.sum(weights * jnp.sin(dense @ v if side == "right" else v @ dense))
 
     args = (x1, x2, v, lengthscale, variance)
+    tangents = tuple(jnp.asarray(rng.normal(size=a.shape)) for a in args)
+
+    def derivatives(loss, *args):  # one program for each loss; forward mode and second derivatives too
+        grads = jax.grad(loss, argnums=range(5))(*args)
+        if not (checkpoint and side == "right"):
+            return grads
+        return grads, jax.jvp(loss, args, tangents)[1], jax.hessian(loss, argnums=3)(*args)
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # without checkpoint, differentiating warns (tested below)
-        lazy = jax.jit(jax.grad(lazy_loss, argnums=range(5)))(*args)
-    for got, want in zip(lazy, jax.grad(dense_loss, argnums=range(5))(*args), strict=True):
+        lazy = jax.jit(functools.partial(derivatives, lazy_loss))(*args)
+    dense = jax.jit(functools.partial(derivatives, dense_loss))(*args)
+    for got, want in zip(jax.tree_util.tree_leaves(lazy), jax.tree_util.tree_leaves(dense), strict=True):
         assert_close(got, want, jnp.float64)
-    if checkpoint and side == "right":  # forward mode and second derivatives work too
-        tangents = tuple(jnp.asarray(rng.normal(size=a.shape)) for a in args)
-        assert_close(jax.jvp(lazy_loss, args, tangents)[1], jax.jvp(dense_loss, args, tangents)[1], jnp.float64)
-        hessian = jax.hessian(lazy_loss, argnums=3)(*args)
-        assert_close(hessian, jax.hessian(dense_loss, argnums=3)(*args), jnp.float64)
 
 
 def test_measured_blocks_differentiate_like_the_dense_matrix():
@@ -406,7 +410,7 @@ def test_measured_blocks_differentiate_like_the_dense_matrix():
     jit_outside = {(0,): True, (1,): True, (2, 4): True, (0, 1, 2, 3, 4): True, (3, 4): False}
     for argnums, outside in jit_outside.items():
         grad = jax.jit(jax.grad(loss, argnums)) if outside else jax.grad(jax.jit(loss), argnums)
-        for got, want in zip(grad(*args), jax.grad(dense, argnums)(*args), strict=True):
+        for got, want in zip(grad(*args), jax.jit(jax.grad(dense, argnums))(*args), strict=True):
             assert_close(got, want, jnp.float64)
     tangents = tuple(jnp.asarray(rng.normal(size=jnp.shape(a))) for a in args)
     jvp = lambda f: jax.jit(lambda *a: jax.jvp(f, a, tangents)[1])(*args)  # noqa: E731
@@ -575,7 +579,7 @@ def test_budget_bounds_the_peak(kernel_name, dim, device):
     kernel = memory_kernel(kernel_name, dim)
     leaves, treedef = jax.tree_util.tree_flatten(kernel)
     is_param = [isinstance(leaf, (jax.Array, float)) for leaf in leaves]
-    params = [jnp.asarray(leaf, jnp.float32) for leaf, p in zip(leaves, is_param, strict=True) if p]
+    params = [jnp.asarray(leaf) for leaf, p in zip(leaves, is_param, strict=True) if p]  # weak types too
 
     def lazy(params, x1, x2, checkpoint):
         it = iter(params)
@@ -998,23 +1002,21 @@ def test_zoo_derivatives_match_the_vmap_form(name):
         return jnp.sum(weights * jnp.sin(block(make(params), x1, x2) @ v))
 
     args = (jnp.asarray(params), x1.at[1].add(0.05), x2, v)
-    grads = jax.jit(
-        lambda *a: (
-            jax.grad(functools.partial(loss, kernel_block), argnums=range(4))(*a),
-            jax.grad(functools.partial(loss, lazy_kernel._vmap_block), argnums=range(4))(*a),
-        )
-    )
-    for fast, vmapped in zip(*grads(*args), strict=True):
-        assert_as_vmap(fast, vmapped, dtype)
-    product = lambda *a: LazyKernel(make(a[0]), a[1], a[2], batch_size=2, checkpoint=True) @ a[3]  # noqa: E731
-    dense = lambda *a: lazy_kernel._vmap_block(make(a[0]), a[1], a[2]) @ a[3]  # noqa: E731
     tangents = tuple(jnp.asarray(rng.normal(size=jnp.shape(a))) for a in args)
-    assert_as_vmap(jax.jvp(product, args, tangents)[1], jax.jvp(dense, args, tangents)[1], dtype)
-    engine = jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(product(*a))), argnums=range(4)))(*args)
-    for fast, vmapped in zip(
-        engine, jax.grad(lambda *a: jnp.sum(jnp.sin(dense(*a))), argnums=range(4))(*args), strict=True
-    ):
-        assert_as_vmap(fast, vmapped, dtype)
+
+    def derivatives(block, matrix, *args):  # of the block, and of the product with the matrix
+        product = lambda *a: matrix(make(a[0]), a[1], a[2]) @ a[3]  # noqa: E731
+        return (
+            jax.grad(functools.partial(loss, block), argnums=range(4))(*args),
+            jax.jvp(product, args, tangents)[1],
+            jax.grad(lambda *a: jnp.sum(jnp.sin(product(*a))), argnums=range(4))(*args),
+        )
+
+    lazy = lambda k, a, b: LazyKernel(k, a, b, batch_size=2, checkpoint=True)  # noqa: E731
+    fast = jax.jit(functools.partial(derivatives, kernel_block, lazy))(*args)
+    vmapped = jax.jit(functools.partial(derivatives, lazy_kernel._vmap_block, lazy_kernel._vmap_block))(*args)
+    for got, want in zip(jax.tree_util.tree_leaves(fast), jax.tree_util.tree_leaves(vmapped), strict=True):
+        assert_as_vmap(got, want, dtype)
 
 
 @pytest.mark.parametrize("name", ["rbf-sum-D3-float64", "gpjax-Matern52-D3-float64"])
@@ -1028,8 +1030,8 @@ def test_zoo_hessians_match_the_vmap_form(name):
         return jnp.sum(jnp.cos(block(make(params), x1, x2) @ v))
 
     lazy = lambda k, a, b: LazyKernel(k, a, b, batch_size=3, checkpoint=True).to_dense()  # noqa: E731
-    hessian = jax.hessian(functools.partial(loss, lazy))(jnp.asarray(params))
-    assert_as_vmap(hessian, jax.hessian(functools.partial(loss, lazy_kernel._vmap_block))(jnp.asarray(params)), dtype)
+    hessian = lambda matrix: jax.jit(jax.hessian(functools.partial(loss, matrix)))(jnp.asarray(params))  # noqa: E731
+    assert_as_vmap(hessian(lazy), hessian(lazy_kernel._vmap_block), dtype)
 
 
 def test_which_path_blocks_take(device):
