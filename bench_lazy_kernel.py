@@ -3,7 +3,7 @@
     python bench_lazy_kernel.py --kernels 8192   # speed: K @ v and the checkpointed gradient, D = 3 to 256
     python bench_lazy_kernel.py --real           # the GP gradient on scikit-learn's data sets (if installed)
     python bench_lazy_kernel.py --first-use 3000 # what measuring a block costs against the compile it guards
-    python bench_lazy_kernel.py --split 8192     # written-out feature sums against XLA's reduction, by D
+    python bench_lazy_kernel.py --split 8192     # feature sums written out against a loop, by D
     python bench_lazy_kernel.py --blocks 16384   # K @ v by block size; v @ K against K @ v by block kind
     python bench_lazy_kernel.py                  # all five at those sizes
 
@@ -250,35 +250,50 @@ def first_use_table(n, gpjax, repeats=3):
 
 
 def split_table(n):
-    """A pair kernel with its feature sums written out (split) or left to XLA's reduction, by D:
-    K @ v, and the first call (mostly compile) of a checkpointed gradient."""
-    print("\n## Written-out feature sums against XLA's reduction, pair RBF, float32\n")
-    print(f"| D | K @ v at M = N = {n}: written out, XLA's reduction | gradient's first call at M = N = 1000 |")
-    print("|---|---|---|")
+    """A pair kernel's feature sums written out (split) or in a loop over features, by D: K @ v, the
+    checkpointed gradient, and that gradient's first call (mostly compile)."""
+    print("\n## Feature sums written out against a loop over features, pair RBF, float32; each cell: written")
+    print("## out, loop (ratio)\n")
+    print(f"| D | K @ v at M = N = {n}, ms | checkpointed gradient at M = N = {n // 2}, ms ", end="")
+    print("| the gradient's first call at M = N = 1000, s |")
+    print("|---|---|---|---|")
 
     def kernel(a, b):
         return jnp.exp(-jnp.sum((a - b) ** 2))
 
-    original = lazy_kernel.SPLIT_FEATURES_MAX
-    for dim in (4, 8, 16, 24, 32, 64):
+    def product(x, v):
+        return LazyKernel(kernel, x, x) @ v
+
+    gradient = jax.grad(lambda x, v: jnp.sum(jnp.sin(LazyKernel(kernel, x, x, checkpoint=True) @ v)), argnums=(0, 1))
+    for dim in (2, 3, 4, 16, 64):
         rng = np.random.default_rng(0)
         x = jnp.asarray(rng.normal(size=(n, dim)), jnp.float32)
         v = jnp.asarray(rng.normal(size=n), jnp.float32)
-        times, first = [], []
-        for split in (dim, 0):
-            lazy_kernel.SPLIT_FEATURES_MAX = split
-            (seconds,) = median_times([lambda x, v: LazyKernel(kernel, x, x) @ v], (x, v))
-            times.append(seconds)
-            loss = lambda x, v: jnp.sum(LazyKernel(kernel, x, x, batch_size=64, checkpoint=True) @ v)  # noqa: E731
+        forms = (dim, 0)  # SPLIT_FEATURES_MAX: every feature sum written out, or none
+        forward = median_times([with_split(product, split) for split in forms], (x, v))
+        backward = median_times([with_split(gradient, split) for split in forms], (x[: n // 2], v[: n // 2]))
+        first = []
+        for split in forms:
             begin = time.perf_counter()
-            jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1)))(x[:1000], v[:1000]))
+            jax.block_until_ready(jax.jit(with_split(gradient, split))(x[:1000], v[:1000]))
             first.append(time.perf_counter() - begin)
-        lazy_kernel.SPLIT_FEATURES_MAX = original
+        cells = [f"{a * k:.0f}, {b * k:.0f} ({a / b:.2f})" for (a, b), k in ((forward, 1e3), (backward, 1e3))]
         print(
-            f"| {dim} | {times[0] * 1e3:.0f} ms, {times[1] * 1e3:.0f} ms ({times[0] / times[1]:.2f}) "
-            f"| {first[0]:.2f} s, {first[1]:.2f} s |",
-            flush=True,
+            f"| {dim} | {' | '.join(cells)} | {first[0]:.2f}, {first[1]:.2f} ({first[0] / first[1]:.2f}) |", flush=True
         )
+
+
+def with_split(f, split):
+    """``f`` traced with SPLIT_FEATURES_MAX = ``split`` (read while tracing)."""
+
+    def traced(*args):
+        original, lazy_kernel.SPLIT_FEATURES_MAX = lazy_kernel.SPLIT_FEATURES_MAX, split
+        try:
+            return f(*args)
+        finally:
+            lazy_kernel.SPLIT_FEATURES_MAX = original
+
+    return traced
 
 
 def without_pair_program(f):

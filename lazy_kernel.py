@@ -458,19 +458,21 @@ def _warn_on_derivative(primals, tangents):
 #
 # ``_vmap_block`` turns a pair kernel into a [b, n, D] computation, and XLA on
 # CPU runs its sum over the short feature axis D several times slower than the
-# exponential after it. A hand-written kernel avoids that by writing the
-# feature sum out. ``_pair_program_block`` does the same for any pair kernel:
-# it runs the kernel's jaxpr (its program on one pair of points) once for
-# the whole block, equation by equation, holding each value of shape S (say
-# [D] or []) as
+# exponential after it, and its gradient tens of times. ``_pair_program_block``
+# runs the kernel's jaxpr (its program on one pair of points) once for the
+# whole block instead, equation by equation, holding each value of shape S
+# (say [D] or []) as
 #
 # - an array [B, N, *S], B in {1, b} and N in {1, n}: a value of x alone is
 #   [b, 1, *S], of y alone [1, n, *S], of neither [1, 1, *S], so whatever
 #   depends on one point is computed once per point, not once per pair;
-# - ``_Split``: a value of both points with 1 to ``SPLIT_FEATURES_MAX``
-#   features, as one [b, n] array per feature, so that a sum over features is
-#   a sum of [b, n] arrays: the hand-written kernel. (Beyond that, the gain
-#   over XLA's reduction of a [b, n, S] array shrank, and compiles grew long.)
+# - ``_Looped``: a value of both points with one axis of D features, as a
+#   function from a feature index to its [b, n] array, so that a sum over
+#   features is a ``fori_loop`` adding one [b, n] array at a time, its body
+#   recomputed in reverse mode rather than stored: no [b, n, D] array is
+#   made unless an equation other than a sum needs one;
+# - ``_Split``: a value of both points with at most ``SPLIT_FEATURES_MAX``
+#   elements, as one [b, n] array each, written out.
 #
 # Every rule applies the vmap form's primitives to the same values, with two
 # exceptions, each at least as accurate: sums (``reduce_sum``, a dot of two
@@ -479,7 +481,7 @@ def _warn_on_derivative(primals, tangents):
 # takes is vmapped on its own (``_by_vmap``), and a kernel the program does
 # not take at all (``None``) gets the vmap form.
 
-SPLIT_FEATURES_MAX = 16  # bench_lazy_kernel.py --split, and the README's note on compile times
+SPLIT_FEATURES_MAX = 2  # bench_lazy_kernel.py --split: from 3 features on, the loop was faster
 
 _ELEMENTWISE = frozenset(
     "abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp complex conj convert_element_type copy "
@@ -494,6 +496,14 @@ class _Split:
 
     def __init__(self, parts):
         self.parts = parts
+
+
+class _Looped:
+    """A value of both points with D > SPLIT_FEATURES_MAX features, shape [D]: ``feature(i)`` computes feature
+    ``i`` (traced) as a [b, n] array, ``dense()`` all of them as [b, n, D], for an equation that needs them."""
+
+    def __init__(self, size, feature, dense):
+        self.size, self.feature, self.dense = size, feature, dense
 
 
 def _pair_program_block(kernel, xa, xb, transposed=False, vmapped=None):
@@ -571,24 +581,39 @@ def _equation_key(eqn, args):
 
 def _elementwise(eqn, args):
     """An elementwise equation: per feature on a value of both points with 1 to SPLIT_FEATURES_MAX features,
-    else on the arguments broadcast against each other."""
+    feature by feature when summed on one with more (_Looped), else on the arguments broadcast against each
+    other."""
     shape = eqn.outvars[0].aval.shape
     if _of_both(args) and shape and 0 < math.prod(shape) <= SPLIT_FEATURES_MAX:
         parts = np.empty(shape, object)
         for index in np.ndindex(shape):
-            features = [_feature(a, index) for a in args]
-            common = jnp.broadcast_shapes(*(f.shape for f in features))
-            (parts[index],) = _bind(eqn, [jnp.broadcast_to(f, common) for f in features])
+            (parts[index],) = _bind_broadcast(eqn, [_feature(a, index) for a in args])
         return [_Split(parts)]
-    args = [_dense(a) for a in args]
+    if _of_both(args) and len(shape) == 1 and shape[0] > SPLIT_FEATURES_MAX:
+        sources = [_features_of(a) for a in args]
+        feature = lambda i: _bind_broadcast(eqn, [f(i) for f in sources])[0]  # noqa: E731
+        return [_Looped(shape[0], feature, lambda: _broadcast_elementwise(eqn, [_dense(a) for a in args])[0])]
+    return _broadcast_elementwise(eqn, [_dense(a) for a in args])
+
+
+def _bind_broadcast(eqn, features):
+    common = jnp.broadcast_shapes(*(f.shape for f in features))
+    return _bind(eqn, [jnp.broadcast_to(f, common) for f in features])
+
+
+def _broadcast_elementwise(eqn, args):
+    """An elementwise equation on block values [B, N, *S] (or [B, N]: scalars) broadcast against each other."""
+    shape = eqn.outvars[0].aval.shape
     args = [a.reshape(a.shape[:2] + (1,) * (len(shape) + 2 - a.ndim) + a.shape[2:]) for a in args]  # scalars too
     common = jnp.broadcast_shapes(*(a.shape for a in args))
     return _bind(eqn, [jnp.broadcast_to(a, common) for a in args])
 
 
 def _split_sum(eqn, args):
-    """``reduce_sum`` of a _Split: a sum of [b, n] arrays."""
+    """``reduce_sum`` of a _Split: a sum of [b, n] arrays; of a _Looped: their sum in a loop."""
     (a,) = args
+    if isinstance(a, _Looped):
+        return [_looped_sum(a.size, a.feature)]
     if not isinstance(a, _Split):
         return None
     total = np.sum(a.parts, axis=tuple(eqn.params["axes"]))
@@ -598,13 +623,17 @@ def _split_sum(eqn, args):
 
 
 def _split_dot(eqn, args):
-    """A dot of two float vectors, one of them a _Split: the sum of their products."""
+    """A dot of two float vectors, one of them a _Split or _Looped: the sum of their products."""
     (contract, batch), out = eqn.params["dimension_numbers"], eqn.outvars[0].aval
     inputs = [var.aval for var in eqn.invars]
     plain = all(a.ndim == 1 and a.dtype == out.dtype for a in inputs) and jnp.issubdtype(out.dtype, jnp.floating)
-    if not (any(isinstance(a, _Split) for a in args) and plain and contract == ((0,), (0,)) and batch == ((), ())):
+    features = [isinstance(a, (_Split, _Looped)) for a in args]
+    if not (any(features) and plain and contract == ((0,), (0,)) and batch == ((), ())):
         return None
     x, y = args
+    if not any(isinstance(a, _Split) for a in args):
+        x, y = _features_of(x), _features_of(y)
+        return [_looped_sum(inputs[0].shape[0], lambda i: x(i) * y(i))]
     return [sum(_feature(x, (d,)) * _feature(y, (d,)) for d in range(inputs[0].shape[0]))]
 
 
@@ -617,7 +646,7 @@ _RULES = {  # primitive name -> rule(eqn, block values) -> outputs, or None: vma
 
 def _of_both(args):
     """Whether block values together depend on both points."""
-    if any(isinstance(a, _Split) for a in args):
+    if any(isinstance(a, (_Split, _Looped)) for a in args):
         return True
     return any(a.shape[0] > 1 for a in args) and any(a.shape[1] > 1 for a in args)
 
@@ -634,8 +663,29 @@ def _feature(a, index):
     return a[(slice(None), slice(None), *index)]
 
 
+def _features_of(a):
+    """A block value of shape [D] or [1], or a scalar, as a function of a feature index (traced): its [B, N]
+    array there."""
+    if isinstance(a, _Looped):
+        return a.feature
+    a = _dense(a)
+    if a.ndim == 2 or a.shape[2] == 1:
+        return lambda i: a.reshape(a.shape[:2])
+    by_feature = jnp.moveaxis(a, 2, 0)  # [D, B, N]: each feature contiguous
+    return lambda i: jax.lax.dynamic_index_in_dim(by_feature, i, keepdims=False)
+
+
+def _looped_sum(size, feature):
+    """The sum of ``feature(i)``, i < size, added one [b, n] array at a time. The loop's body is
+    rematerialised, so that reverse mode recomputes each feature from the points, and stores none."""
+    add = jax.checkpoint(lambda i, total: total + feature(i))
+    return jax.lax.fori_loop(1, size, add, feature(0))
+
+
 def _dense(a):
     """A block value as one array [B, N, *S]."""
+    if isinstance(a, _Looped):
+        return a.dense()
     if not isinstance(a, _Split):
         return a
     lead = jnp.broadcast_shapes(*(part.shape for part in a.parts.flat))
@@ -714,7 +764,7 @@ def _scaling_rule(eqn, args):
         return [first.then(eqn, None, 0)]
     if name in ("mul", "div") and len(lazy) == 1 and (name == "mul" or lazy == [0]):
         other = args[1 - lazy[0]]
-        if not isinstance(other, _Split) and other.shape[:2] == (1, 1):  # a value of neither point
+        if not isinstance(other, (_Split, _Looped)) and other.shape[:2] == (1, 1):  # a value of neither point
             return [first.then(eqn, other, lazy[0])]
     if name == "sub" and len(lazy) == 2:
         a, b = args
@@ -818,9 +868,9 @@ def block_evaluation(kernel: PairKernel, dim: int, dtype=jnp.float32) -> str:
 # --------------------------------------------------------------------------
 #
 # One block of K is not the peak. XLA keeps whatever temporaries the kernel's
-# computation needs (a pair kernel's checkpointed gradient holds about D + 1
-# blocks), and arrays the size of the data (inputs, operand, result, their
-# cotangents) that no block size changes. So the block comes from a
+# computation needs (a checkpointed gradient holds several blocks), and
+# arrays the size of the data (inputs, operand, result, their cotangents)
+# that no block size changes. So the block comes from a
 # measurement of the program that runs: the product compiled on abstract
 # inputs, and XLA's ``temp_size_in_bytes`` read. With checkpoint=True a
 # gradient is a program of its own, and which one (with respect to which
@@ -1080,7 +1130,7 @@ def _peak_key(op, width, dtype):
     if kernel is None:
         kernel = str(_kernel_program(op))
     shapes = (_spec(op.x1), _spec(op.x2), width, jnp.dtype(dtype))
-    return (kernel, shapes, op.transposed, op.checkpoint, jax.default_backend(), PAIR_PROGRAM)
+    return (kernel, shapes, op.transposed, op.checkpoint, jax.default_backend(), PAIR_PROGRAM, SPLIT_FEATURES_MAX)
 
 
 # --------------------------------------------------------------------------

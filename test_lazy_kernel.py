@@ -516,9 +516,7 @@ def test_memory_is_a_few_blocks_not_the_matrix(block):
     x = jnp.zeros((m, 3), jnp.float32)
     v = jnp.zeros(n, jnp.float32)
     block_bytes = block * n * 4
-    # Measured: one block on JAX 0.10; two on JAX 0.4.30, whose XLA keeps the
-    # block beside its exponential instead of fusing them.
-    blocks = 1.5 if JAX_VERSION >= (0, 10) else 2.1
+    blocks = 2.1  # measured: two, the feature loop's running sum and its result
     assert temp_bytes(lambda x, v: LazyKernel(RBF(), x, x, batch_size=block) @ v, x, v) <= blocks * block_bytes
     assert temp_bytes(lambda x, v: v @ LazyKernel(RBF(), x, x, batch_size=block), x, v) <= blocks * block_bytes
     assert temp_bytes(lambda x, v: lazy_kernel._vmap_block(RBF(), x, x) @ v, x, v) >= m * n * 4  # it sees a matrix
@@ -558,7 +556,7 @@ def memory_kernel(name, dim):
     return gpjax.kernels.Matern52(lengthscale=jnp.float32(0.7))
 
 
-MEMORY_CASES = [  # (kernel, D): every kind, D from 1 to 256, the pair program both split and whole
+MEMORY_CASES = [  # (kernel, D): every kind, D from 1 to 256, the pair program split and looped
     *[("pair", d) for d in (1, 3, 16, 64)],
     *[("partial", d) for d in (3, 17, 256)],
     ("many", 2),
@@ -572,7 +570,7 @@ MEMORY_CASES = [  # (kernel, D): every kind, D from 1 to 256, the pair program b
 def test_budget_bounds_the_peak(kernel_name, dim, device):
     """XLA's temporaries at the block chosen <= budget + twice the data, for the products and three gradients."""
     m, n = 307, 211  # primes: no block divides them
-    budget_mb = 0.25 if dim < 64 else 1.0  # a few blocks of the fastest size: the block must shrink
+    budget_mb = 0.25  # a few blocks of the fastest size: the block must shrink
     rng = np.random.default_rng(14)
     x1, x2 = points(rng, m, dim, jnp.float32), points(rng, n, dim, jnp.float32)
     v, w = points(rng, n, 1, jnp.float32)[:, 0], points(rng, m, 1, jnp.float32)[:, 0]
@@ -744,11 +742,11 @@ def _zoo():
     def _(p):
         return lambda x, y: jnp.einsum("ij,ji->", (x - y).reshape(3, 3), (x - y).reshape(3, 3))
 
-    @add("two-scalings-of-one-difference", [12])
+    @add("two-scalings-of-one-difference", [12, 24])
     def _(p):
         return lambda x, y: jnp.exp(-jnp.dot((x - y) * 2.0, (x - y) / 2.0))
 
-    @add("vector-minus-scalar", [12])
+    @add("vector-minus-scalar", [12, 24])
     def _(p):
         return lambda x, y: jnp.exp(-jnp.sum((x - y[0]) ** 2))
 
@@ -769,19 +767,19 @@ def _zoo():
         a = jnp.asarray(np.random.default_rng(0).normal(size=(4, 4)))
         return lambda x, y: jnp.exp(-jnp.sum((a @ (x - y)) ** 2) * p[0])
 
-    @add("chebyshev", [5])
+    @add("chebyshev", [5, 20])
     def _(p):
         return lambda x, y: jnp.exp(-jnp.max(jnp.abs(x - y)) / p[0])
 
-    @add("sorted", [6])
+    @add("sorted", [6, 18])
     def _(p):
         return lambda x, y: jnp.exp(-jnp.sum(jnp.sort(jnp.abs(x - y)) * jnp.linspace(0.5, 1.0, x.shape[0])))
 
-    @add("cumsum", [5])
+    @add("cumsum", [5, 18])
     def _(p):
         return lambda x, y: jnp.exp(-jnp.sum(jnp.cumsum(x - y) ** 2) / p[0])
 
-    @add("where", [4])
+    @add("where", [4, 18])
     def _(p):
         return lambda x, y: jnp.sum(jnp.where(x > y, x - y, p[0] * (y - x)))
 
@@ -809,7 +807,7 @@ def _zoo():
     def _(p):
         return lambda x, y: jnp.sum(jnp.tanh(jnp.outer(x - y, x + y)))
 
-    @add("logsumexp", [4])
+    @add("logsumexp", [4, 18])
     def _(p):
         return lambda x, y: jax.nn.logsumexp(-((x - y) ** 2) / p[0])
 
@@ -817,11 +815,11 @@ def _zoo():
     def _(p):
         return lambda x, y: jnp.arccos(jnp.clip(jnp.dot(x, y) / (1e-9 + jnp.dot(x, x) + jnp.dot(y, y)), -1, 1))
 
-    @add("var-of-difference", [3, 9])  # a kept axis of size 1 broadcast against each feature: an IndexError once
+    @add("var-of-difference", [3, 9, 18])  # a kept axis of size 1 broadcast against each feature: an IndexError once
     def _(p):
         return lambda x, y: jnp.var(x - y) / p[0]
 
-    @add("mean-keepdims-broadcast", [4], jnp.float32)
+    @add("mean-keepdims-broadcast", [4, 18], jnp.float32)
     def _(p):
         return lambda x, y: jnp.sum(jnp.abs((x - y) - jnp.mean(x - y, keepdims=True)))
 
@@ -837,17 +835,17 @@ def _zoo():
     def _(p):
         return lambda x, y: p[1] * jnp.exp(-jnp.sum((x - y) ** 2))
 
-    @add("rbf-sum", [3], jnp.float16)
+    @add("rbf-sum", [3, 20], jnp.float16)
     def _(p):
         return lambda x, y: jnp.exp(-0.5 * jnp.sum(((x - y) / jnp.asarray(p[0], x.dtype)) ** 2))
 
-    add("rbf-sum", [3], jnp.bfloat16)(zoo["rbf-sum-D3-float16"][0])
+    add("rbf-sum", [3, 20], jnp.bfloat16)(zoo["rbf-sum-D3-float16"][0])
 
-    @add("complex", [3, 12], jnp.complex64)
+    @add("complex", [3, 12, 18], jnp.complex64)
     def _(p):
         return lambda x, y: jnp.exp(-jnp.sum((x - y) * jnp.conj(x - y)) / p[0])
 
-    @add("int-abs-scaled", [4], jnp.int32)
+    @add("int-abs-scaled", [4, 18], jnp.int32)
     def _(p):
         return lambda x, y: jnp.sum(jnp.abs((x - y) * 2))
 
@@ -972,6 +970,7 @@ def test_zoo_blocks_and_products_match_the_vmap_form(name):
 DERIVATIVE_ZOO = [
     "rbf-sum-D3-float64",
     "rbf-sum-D17-float64",
+    "laplace-D30-float64",
     "rbf-dot-D4-float64",
     "laplace-D3-float64",
     "norm-D5-float64",
@@ -1016,7 +1015,7 @@ def test_zoo_derivatives_match_the_vmap_form(name):
     fast = jax.jit(functools.partial(derivatives, kernel_block, lazy))(*args)
     vmapped = jax.jit(functools.partial(derivatives, lazy_kernel._vmap_block, lazy_kernel._vmap_block))(*args)
     for got, want in zip(jax.tree_util.tree_leaves(fast), jax.tree_util.tree_leaves(vmapped), strict=True):
-        assert_as_vmap(got, want, dtype)
+        assert_as_vmap(got, want, dtype, scale=float(np.abs(np.asarray(want)).max(initial=0.0)) * 5)  # 5-term sums
 
 
 @pytest.mark.parametrize("name", ["rbf-sum-D3-float64", "gpjax-Matern52-D3-float64"])
