@@ -270,12 +270,13 @@ def split_table(n):
         x = jnp.asarray(rng.normal(size=(n, dim)), jnp.float32)
         v = jnp.asarray(rng.normal(size=n), jnp.float32)
         forms = (dim, 0)  # SPLIT_FEATURES_MAX: every feature sum written out, or none
-        forward = median_times([with_split(product, split) for split in forms], (x, v))
-        backward = median_times([with_split(gradient, split) for split in forms], (x[: n // 2], v[: n // 2]))
+        half = (x[: n // 2], v[: n // 2])
+        forward = median_times([traced_with(product, SPLIT_FEATURES_MAX=s) for s in forms], (x, v))
+        backward = median_times([traced_with(gradient, SPLIT_FEATURES_MAX=s) for s in forms], half)
         first = []
         for split in forms:
             begin = time.perf_counter()
-            jax.block_until_ready(jax.jit(with_split(gradient, split))(x[:1000], v[:1000]))
+            jax.block_until_ready(jax.jit(traced_with(gradient, SPLIT_FEATURES_MAX=split))(x[:1000], v[:1000]))
             first.append(time.perf_counter() - begin)
         cells = [f"{a * k:.0f}, {b * k:.0f} ({a / b:.2f})" for (a, b), k in ((forward, 1e3), (backward, 1e3))]
         print(
@@ -283,28 +284,18 @@ def split_table(n):
         )
 
 
-def with_split(f, split):
-    """``f`` traced with SPLIT_FEATURES_MAX = ``split`` (read while tracing)."""
+def traced_with(f, **switches):
+    """``f`` traced with lazy_kernel's module switches (read while tracing) set to ``switches``."""
 
     def traced(*args):
-        original, lazy_kernel.SPLIT_FEATURES_MAX = lazy_kernel.SPLIT_FEATURES_MAX, split
+        original = {name: getattr(lazy_kernel, name) for name in switches}
         try:
+            for name, value in switches.items():
+                setattr(lazy_kernel, name, value)
             return f(*args)
         finally:
-            lazy_kernel.SPLIT_FEATURES_MAX = original
-
-    return traced
-
-
-def without_pair_program(f):
-    """``f`` traced with every block the vmap form (the switch is read while tracing)."""
-
-    def traced(*args):
-        lazy_kernel.PAIR_PROGRAM = False
-        try:
-            return f(*args)
-        finally:
-            lazy_kernel.PAIR_PROGRAM = True
+            for name, value in original.items():
+                setattr(lazy_kernel, name, value)
 
     return traced
 
@@ -329,14 +320,14 @@ def blocks_table(n):
     print("| blocks | K @ v, ms | v @ K, ms | v @ K / K @ v |")
     print("|---|---|---|---|")
     kinds = {
-        "pair program (lazy_kernel.RBF)": (RBF(0.7), lambda f: f),
-        "cross_covariance (inexact GEMM RBF)": (GemmRBF(jnp.float32(0.7)), lambda f: f),
-        "vmap form (lazy_kernel.RBF, PAIR_PROGRAM = False)": (RBF(0.7), without_pair_program),
+        "pair program (lazy_kernel.RBF)": (RBF(0.7), True),
+        "cross_covariance (inexact GEMM RBF)": (GemmRBF(jnp.float32(0.7)), True),
+        "vmap form (lazy_kernel.RBF, PAIR_PROGRAM = False)": (RBF(0.7), False),
     }
     functions = []
-    for kernel, traced in kinds.values():
-        functions.append(traced(lambda x, v, kernel=kernel: LazyKernel(kernel, x, x) @ v))
-        functions.append(traced(lambda x, v, kernel=kernel: v @ LazyKernel(kernel, x, x)))
+    for kernel, pair_program in kinds.values():
+        for product in (lambda x, v, k=kernel: LazyKernel(k, x, x) @ v, lambda x, v, k=kernel: v @ LazyKernel(k, x, x)):
+            functions.append(traced_with(product, PAIR_PROGRAM=pair_program))
     seconds = median_times(functions, (x, v))
     for i, name in enumerate(kinds):
         right_s, left_s = seconds[2 * i], seconds[2 * i + 1]
