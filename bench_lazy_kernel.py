@@ -278,7 +278,7 @@ def split_table(n):
             begin = time.perf_counter()
             jax.block_until_ready(jax.jit(traced_with(gradient, SPLIT_FEATURES_MAX=split))(x[:1000], v[:1000]))
             first.append(time.perf_counter() - begin)
-        cells = [f"{a * k:.0f}, {b * k:.0f} ({a / b:.2f})" for (a, b), k in ((forward, 1e3), (backward, 1e3))]
+        cells = [f"{a * 1e3:.0f}, {b * 1e3:.0f} ({a / b:.2f})" for a, b in (forward, backward)]
         print(
             f"| {dim} | {' | '.join(cells)} | {first[0]:.2f}, {first[1]:.2f} ({first[0] / first[1]:.2f}) |", flush=True
         )
