@@ -568,7 +568,8 @@ MEMORY_CASES = [  # (kernel, D): every kind, D from 1 to 256, the pair program s
 
 @pytest.mark.parametrize("kernel_name, dim", MEMORY_CASES)
 def test_budget_bounds_the_peak(kernel_name, dim, device):
-    """XLA's temporaries at the block chosen <= budget + twice the data, for the products and three gradients."""
+    """XLA's temporaries at the block chosen <= budget + twice the data, for the products and two gradients: x1's
+    alone, and every input's (x2's cotangent is summed over the blocks)."""
     m, n = 307, 211  # primes: no block divides them
     budget_mb = 0.25  # a few blocks of the fastest size: the block must shrink
     rng = np.random.default_rng(14)
@@ -591,7 +592,6 @@ def test_budget_bounds_the_peak(kernel_name, dim, device):
         "K @ v": (lambda params, x1, x2, v: lazy(params, x1, x2, False) @ v, v),
         "w @ K": (lambda params, x1, x2, w: w @ lazy(params, x1, x2, False), w),
         "grad x1, v": (jax.grad(loss, argnums=(1, 3)), v),
-        "grad x2, v": (jax.grad(loss, argnums=(2, 3)), v),
         "grad all": (jax.grad(loss, argnums=(0, 1, 2, 3)), v),
     }
     peaks = {name: temp_bytes(f, params, x1, x2, operand) for name, (f, operand) in programs.items()}
@@ -604,7 +604,6 @@ def test_budget_bounds_the_peak(kernel_name, dim, device):
     assert forward.measure().peak_mb * 2**20 == pytest.approx(peaks["K @ v"], rel=0.05, abs=4096)
     wrt = {
         "grad x1, v": ("x1", "operand"),
-        "grad x2, v": ("x2", "operand"),
         "grad all": ("kernel", "x1", "x2", "operand"),
     }
     for name, names in wrt.items():
@@ -1182,26 +1181,29 @@ def within_contract(fast, vmapped, oracle, scale, slack=16):
 
 
 def generated_programs(kernel, x1, x2):
-    """One jitted program of x1: the block, both products and the gradient of sum(sin(K @ v)) w.r.t. x1, each
-    as (lazy, vmap form), the lazy ones None on points of another dtype (the oracle's)."""
+    """One jitted program of the points: the block, both products and the gradient of sum(sin(K @ v)) w.r.t. x1,
+    each as (lazy, vmap form); and the oracle's, the vmap form's on float64 points where they are float32."""
     vmap_form = functools.partial(lazy_kernel._vmap_block, kernel)
     dtype = jax.eval_shape(vmap_form, x1, x2).dtype
     v, w = (jnp.asarray(np.arange(n) % 3 - 1, dtype) for n in (x2.shape[0], x1.shape[0]))
 
-    def run(x1_):
-        lazily = x1_.dtype == x1.dtype
-        dense = vmap_form(x1_, x2.astype(x1_.dtype))
+    def run(x1, x2, lazily=True):
+        dense = vmap_form(x1, x2)
         op = LazyKernel(kernel, x1, x2, batch_size=2)
         values = {"block": (kernel_block(kernel, x1, x2) if lazily else None, dense)}
         values["K @ v"] = (op @ v if lazily else None, dense @ v.astype(dense.dtype))
         values["w @ K"] = (w @ op if lazily else None, w.astype(dense.dtype) @ dense)
         if jnp.issubdtype(x1.dtype, jnp.floating) and jnp.issubdtype(dtype, jnp.floating):
-            loss = lambda block: lambda x1: jnp.sum(jnp.sin(block(kernel, x1, x2.astype(x1.dtype)) @ v))  # noqa: E731
-            fast = jax.grad(loss(kernel_block))(x1_) if lazily else None
-            values["gradient"] = (fast, jax.grad(loss(lazy_kernel._vmap_block))(x1_))
+            loss = lambda block: lambda x1: jnp.sum(jnp.sin(block(kernel, x1, x2) @ v))  # noqa: E731
+            fast = jax.grad(loss(kernel_block))(x1) if lazily else None
+            values["gradient"] = (fast, jax.grad(loss(lazy_kernel._vmap_block))(x1))
         return values
 
-    return jax.jit(run)
+    def with_oracle(x1, x2):
+        wide = x1.dtype == jnp.float32
+        return run(x1, x2), run(x1.astype(jnp.float64), x2.astype(jnp.float64), lazily=False) if wide else None
+
+    return jax.jit(with_oracle)
 
 
 def check_generated(kernel, x1, x2):
@@ -1213,16 +1215,15 @@ def check_generated(kernel, x1, x2):
         with pytest.raises(type(error)):
             LazyKernel(kernel, x1, x2) @ jnp.ones(x2.shape[0])
         return
-    programs = generated_programs(kernel, x1, x2)
-    values = programs(x1)
-    oracles = programs(x1.astype(jnp.float64)) if x1.dtype == jnp.float32 else values
+    values, oracles = generated_programs(kernel, x1, x2)(x1, x2)
+    oracles = oracles or values
     for name, (fast, vmapped) in values.items():
         oracle = np.asarray(oracles[name][1])
         magnitude = np.abs(oracle[np.isfinite(oracle)]) if oracle.dtype.kind in "fc" else np.abs(oracle)
         scale = float(max(1.0, magnitude.max(initial=0.0)))
         # On float64 points the oracle is the vmap form itself: no finer one runs the kernel. Sums reordered and
         # differences taken before scaling (see lazy_kernel._Scaled) each add a few roundings to its error.
-        within_contract(fast, vmapped, oracle, scale, slack=16 if oracles is not values else 64)
+        within_contract(fast, vmapped, oracle, scale, slack=16 if x1.dtype == jnp.float32 else 64)
 
 
 # -- accuracy: against an extended-precision oracle --------------------------------------
@@ -1294,7 +1295,7 @@ def accuracy_data(rng, dim, ls):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
-@pytest.mark.parametrize("dim", [1, 3, 9, 16, 64, 256])
+@pytest.mark.parametrize("dim", [1, 3, 16, 256])  # written out; looped, from the fewest features to many
 @pytest.mark.parametrize("name", sorted(ACCURACY_KERNELS))
 def test_as_accurate_as_the_vmap_form(name, dim, dtype):
     """Values and gradients (points, lengthscales) of ``LazyKernel`` against np.longdouble: worst error <= 4x the
