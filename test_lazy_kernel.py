@@ -971,6 +971,7 @@ def test_zoo_blocks_and_products_match_the_vmap_form(name):
 DERIVATIVE_ZOO = [
     "rbf-sum-D3-float64",
     "rbf-sum-D2-float64",
+    "rbf-module-D20-float64",
     "laplace-D2-float64",
     "rbf-dot-D4-float64",
     "laplace-D3-float64",
