@@ -477,12 +477,12 @@ def _warn_on_derivative(primals, tangents):
 # Every rule applies the vmap form's primitives to the same values, with three
 # exceptions, each at least as accurate: sums (``reduce_sum``, a dot of two
 # vectors) may add their terms in another order, two points scaled alike
-# are subtracted before they are scaled (``_Scaled``), and ``a * a`` in the
-# loop is ``a ** 2``: the same values and derivatives, but reverse mode through
-# ``a * a`` adds ``ct * a`` twice, which took RBF's gradient 1.4x to 1.5x as
-# long at D = 256. An equation no rule takes is vmapped on its own
-# (``_by_vmap``), and a kernel the program does not take at all (``None``)
-# gets the vmap form.
+# are subtracted before they are scaled (``_Scaled``), and ``a * a`` (or a dot
+# of ``a`` with itself) in the loop is ``a ** 2``: the same values and
+# derivatives, but reverse mode through ``a * a`` adds ``ct * a`` twice, which
+# took RBF's gradient 1.4x to 1.5x as long at D = 256. An equation no rule
+# takes is vmapped on its own (``_by_vmap``), and a kernel the program does
+# not take at all (``None``) gets the vmap form.
 
 SPLIT_FEATURES_MAX = 2  # bench_lazy_kernel.py --split: from 3 features on, the loop was faster
 
@@ -596,7 +596,7 @@ def _elementwise(eqn, args):
         sources = [_features_of(a) for a in args]
         feature = lambda i: _bind_broadcast(eqn, [f(i) for f in sources])[0]  # noqa: E731
         if eqn.primitive.name == "mul" and args[0] is args[1]:
-            feature = lambda i: jax.lax.integer_pow(sources[0](i), 2)  # noqa: E731
+            feature = _squared(sources[0])
         return [_Looped(shape[0], feature, lambda: _broadcast_elementwise(eqn, [_dense(a) for a in args])[0])]
     return _broadcast_elementwise(eqn, [_dense(a) for a in args])
 
@@ -638,7 +638,7 @@ def _split_dot(eqn, args):
     x, y = args
     if not any(isinstance(a, _Split) for a in args):
         x, y = _features_of(x), _features_of(y)
-        return [_looped_sum(inputs[0].shape[0], lambda i: x(i) * y(i))]
+        return [_looped_sum(inputs[0].shape[0], _squared(x) if args[0] is args[1] else lambda i: x(i) * y(i))]
     return [sum(_feature(x, (d,)) * _feature(y, (d,)) for d in range(inputs[0].shape[0]))]
 
 
@@ -678,6 +678,12 @@ def _features_of(a):
         return lambda i: a.reshape(a.shape[:2])
     by_feature = jnp.moveaxis(a, 2, 0)  # [D, B, N]: each feature contiguous
     return lambda i: jax.lax.dynamic_index_in_dim(by_feature, i, keepdims=False)
+
+
+def _squared(feature):
+    """``feature(i) * feature(i)`` as ``feature(i) ** 2``: the same values, and a derivative of one product where
+    reverse mode through ``a * a`` adds ``ct * a`` twice."""
+    return lambda i: jax.lax.integer_pow(feature(i), 2)
 
 
 def _looped_sum(size, feature):
