@@ -5,7 +5,8 @@
     python bench_lazy_kernel.py --first-use 3000 # what measuring a block costs against the compile it guards
     python bench_lazy_kernel.py --split 8192     # feature sums written out against a loop, by D
     python bench_lazy_kernel.py --blocks 16384   # K @ v by block size; v @ K against K @ v by block kind
-    python bench_lazy_kernel.py                  # all five at those sizes
+    python bench_lazy_kernel.py --gemm 8192      # squared distances by GEMM against the loop, D = 64 to 256
+    python bench_lazy_kernel.py                  # all six at those sizes
 
 GPJax comes from the 'interop' extra. Everything a table compares runs in this
 one process on the same data (float32), timed round-robin so that load drifting
@@ -14,6 +15,7 @@ times depend on the machine; compare ratios within one run.
 """
 
 import argparse
+import functools
 import os
 import platform
 import time
@@ -334,6 +336,52 @@ def blocks_table(n):
         print(f"| {name} | {right_s * 1e3:.0f} | {left_s * 1e3:.0f} | {left_s / right_s:.2f} |", flush=True)
 
 
+def unvouched_per_row(x, ls):
+    """Pairs per row (mean) whose GEMM d^2 the module cannot vouch for: d^2 < (|a|^2 + |b|^2) / 2, on points
+    centred and scaled, here in float64."""
+    a = (np.asarray(x, np.float64) - np.mean(x, 0)) / np.asarray(ls, np.float64)
+    norms = np.sum(a * a, 1)
+    squared = norms[:, None] + norms[None, :] - 2 * a @ a.T
+    return float(np.mean(np.sum(squared < (norms[:, None] + norms[None, :]) / 2, 1)))
+
+
+def gemm_table(n, gpjax):
+    """Squared distances by the GEMM with repair against the loop over features (GEMM_FEATURES_MIN moved past D),
+    on random points and on digits, standardised and randomly projected to 256 features."""
+    print("\n## Squared distances by GEMM (with repair) against the loop over features, float32: K @ v and the")
+    print(f"## checkpointed gradient as in --kernels (M = N = {n} and {n // 2}, at D = 256 half of each; digits 1797")
+    print("## and 898), ratios to the inexact GEMM RBF in the same run; pairs per row the GEMM cannot vouch for\n")
+    print("| data | kernel | GEMM: K @ v, gradient | loop: K @ v, gradient | unvouched pairs per row |")
+    print("|---|---|---|---|---|")
+    made = {"lazy_kernel.RBF": lambda ls: RBF(ls, jnp.float32(1.3))}
+    if gpjax is not None:
+        made["GPJax Matern52"] = lambda ls: gpjax.kernels.Matern52(lengthscale=ls, variance=1.3)
+    rng = np.random.default_rng(0)
+    data = {f"random, D = {dim}": rng.normal(size=(n if dim < 256 else n // 2, dim)) for dim in (64, 128, 256)}
+    try:
+        from sklearn import datasets
+
+        digits = datasets.load_digits().data
+        digits = (digits - digits.mean(0)) / np.maximum(digits.std(0), 1e-12)
+        data["digits, projected to D = 256"] = digits @ rng.normal(size=(64, 256)) / 8
+    except ImportError:
+        print("scikit-learn is not installed: no digits row")
+    for name, x in data.items():
+        x, dim = jnp.asarray(x, jnp.float32), x.shape[1]
+        v, ls = jnp.asarray(rng.normal(size=len(x)), jnp.float32), lengthscales(dim)
+        makes = [GemmRBF] + [make for make in made.values() for _ in ("GEMM", "loop")]
+        switches = [{}] + [{"GEMM_FEATURES_MIN": dim + loop} for _ in made for loop in (0, 1)]
+        forward = [lambda ls, x, v, make=make: LazyKernel(make(ls), x, x) @ v for make in makes]
+        loss = lambda ls, x, v, make: jnp.sum(jnp.sin(LazyKernel(make(ls), x, x, checkpoint=True) @ v))  # noqa: E731
+        gradient = [jax.grad(functools.partial(loss, make=make), argnums=(0, 1, 2)) for make in makes]
+        forward_s = median_times([traced_with(f, **s) for f, s in zip(forward, switches, strict=True)], (ls, x, v))
+        half = (ls, x[: len(x) // 2], v[: len(x) // 2])
+        gradient_s = median_times([traced_with(g, **s) for g, s in zip(gradient, switches, strict=True)], half)
+        ratio = [f"{f / forward_s[0]:.2f}, {g / gradient_s[0]:.2f}" for f, g in zip(forward_s, gradient_s, strict=True)]
+        for i, kernel in enumerate(made):
+            print(f"| {name} | {kernel} | {ratio[1 + 2 * i]} | {ratio[2 + 2 * i]} | {unvouched_per_row(x, ls):.2f} |")
+
+
 def machine():
     device = jax.devices()[0]
     cpu = platform.machine()
@@ -351,9 +399,10 @@ def main():
     parser.add_argument("--split", type=int, metavar="N")
     parser.add_argument("--blocks", type=int, metavar="N")
     parser.add_argument("--real", action="store_true")
+    parser.add_argument("--gemm", type=int, metavar="N")
     args = parser.parse_args()
     if not any(vars(args).values()):
-        args = argparse.Namespace(kernels=8192, first_use=3000, split=8192, blocks=16384, real=True)
+        args = argparse.Namespace(kernels=8192, first_use=3000, split=8192, blocks=16384, real=True, gemm=8192)
     try:
         import gpjax
     except ImportError:
@@ -370,6 +419,8 @@ def main():
         blocks_table(args.blocks)
     if args.real:
         real_table(gpjax)
+    if args.gemm:
+        gemm_table(args.gemm, gpjax)
 
 
 if __name__ == "__main__":

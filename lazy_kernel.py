@@ -474,17 +474,21 @@ def _warn_on_derivative(primals, tangents):
 # - ``_Split``: a value of both points with at most ``SPLIT_FEATURES_MAX``
 #   elements, as one [b, n] array each, written out.
 #
-# Every rule applies the vmap form's primitives to the same values, with three
-# exceptions, each at least as accurate: sums (``reduce_sum``, a dot of two
-# vectors) may add their terms in another order, two points scaled alike
-# are subtracted before they are scaled (``_Scaled``), and ``a * a`` (or a dot
-# of ``a`` with itself) in the loop is ``a ** 2``: the same values and
-# derivatives, but reverse mode through ``a * a`` adds ``ct * a`` twice, which
-# took RBF's gradient 1.4x to 1.5x as long at D = 256. An equation no rule
-# takes is vmapped on its own (``_by_vmap``), and a kernel the program does
-# not take at all (``None``) gets the vmap form.
+# Every rule applies the vmap form's primitives to the same values, with four
+# exceptions: sums (``reduce_sum``, a dot of two vectors) may add their terms
+# in another order, two points scaled alike are subtracted before they are
+# scaled (``_Scaled``), ``a * a`` (or a dot of ``a`` with itself) in the loop
+# is ``a ** 2``: the same values and derivatives, but reverse mode through
+# ``a * a`` adds ``ct * a`` twice, which took RBF's gradient 1.4x to 1.5x as
+# long at D = 256; and from GEMM_FEATURES_MIN features a sum of squared scaled
+# differences is a GEMM where its error bound is within 4x the direct sum's
+# (``_squared_distance``). An equation no rule takes is vmapped on its own
+# (``_by_vmap``), and a kernel the program does not take at all (``None``)
+# gets the vmap form.
 
 SPLIT_FEATURES_MAX = 2  # bench_lazy_kernel.py --split: from 3 features on, the loop was faster
+GEMM_FEATURES_MIN = 128  # bench_lazy_kernel.py --gemm: at D = 64, random points had 2.2 pairs per row the GEMM
+# cannot vouch for, so every block fell back to the loop, and took 1.2x the loop's time
 
 _ELEMENTWISE = frozenset(
     "abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp complex conj convert_element_type copy "
@@ -503,10 +507,15 @@ class _Split:
 
 class _Looped:
     """A value of both points with D > SPLIT_FEATURES_MAX features, shape [D]: ``feature(i)`` computes feature
-    ``i`` (traced) as a [b, n] array, ``dense()`` all of them as [b, n, D], for an equation that needs them."""
+    ``i`` (traced) as a [b, n] array, ``dense()`` all of them as [b, n, D], for an equation that needs them.
 
-    def __init__(self, size, feature, dense):
+    ``difference``: the two _Scaled points, where the value is their difference scaled (``steps(x - y)``);
+    ``square_of``: the same, where it is that difference squared (see _squared_distance).
+    """
+
+    def __init__(self, size, feature, dense, difference=None, square_of=None):
         self.size, self.feature, self.dense = size, feature, dense
+        self.difference, self.square_of = difference, square_of
 
 
 def _pair_program_block(kernel, xa, xb, transposed=False, vmapped=None):
@@ -595,10 +604,30 @@ def _elementwise(eqn, args):
     if _of_both(args) and len(shape) == 1 and shape[0] > SPLIT_FEATURES_MAX:
         sources = [_features_of(a) for a in args]
         feature = lambda i: _bind_broadcast(eqn, [f(i) for f in sources])[0]  # noqa: E731
-        if eqn.primitive.name == "mul" and args[0] is args[1]:
+        squaring = eqn.primitive.name == "mul" and args[0] is args[1]
+        if squaring:
             feature = _squared(sources[0])
-        return [_Looped(shape[0], feature, lambda: _broadcast_elementwise(eqn, [_dense(a) for a in args])[0])]
+        squaring |= eqn.primitive.name == "integer_pow" and eqn.params["y"] == 2
+        square_of = getattr(args[0], "difference", None) if squaring else None
+        dense = lambda: _broadcast_elementwise(eqn, [_dense(a) for a in args])[0]  # noqa: E731
+        return [_Looped(shape[0], feature, dense, _scaled_difference(eqn, args), square_of)]
     return _broadcast_elementwise(eqn, [_dense(a) for a in args])
+
+
+def _scaled_difference(eqn, args):
+    """For an equation that negates, multiplies or divides a scaled difference of two points (a _Looped's
+    ``difference``) by a value of neither point: the two points with that step added; else None."""
+    tagged = [i for i, a in enumerate(args) if isinstance(a, _Looped) and a.difference]
+    if len(tagged) != 1 or eqn.outvars[0].aval.dtype != args[tagged[0]].difference[0].point.dtype:
+        return None
+    position, name = tagged[0], eqn.primitive.name
+    points = args[position].difference
+    if name == "neg":
+        return tuple(p.then(eqn, None, 0) for p in points)
+    other = args[1 - position] if len(args) == 2 else None
+    if name in ("mul", "div") and (name == "mul" or position == 0) and not isinstance(other, (_Split, _Looped)):
+        return tuple(p.then(eqn, other, position) for p in points) if other.shape[:2] == (1, 1) else None
+    return None
 
 
 def _bind_broadcast(eqn, features):
@@ -618,7 +647,7 @@ def _split_sum(eqn, args):
     """``reduce_sum`` of a _Split: a sum of [b, n] arrays; of a _Looped: their sum in a loop."""
     (a,) = args
     if isinstance(a, _Looped):
-        return [_looped_sum(a.size, a.feature)]
+        return [_sum_of_squares(a.size, a.square_of, a.feature)]
     if not isinstance(a, _Split):
         return None
     total = np.sum(a.parts, axis=tuple(eqn.params["axes"]))
@@ -637,8 +666,11 @@ def _split_dot(eqn, args):
         return None
     x, y = args
     if not any(isinstance(a, _Split) for a in args):
+        size, difference = inputs[0].shape[0], getattr(x, "difference", None)
+        if x is y:
+            return [_sum_of_squares(size, difference, _squared(_features_of(x)))]
         x, y = _features_of(x), _features_of(y)
-        return [_looped_sum(inputs[0].shape[0], _squared(x) if args[0] is args[1] else lambda i: x(i) * y(i))]
+        return [_looped_sum(size, lambda i: x(i) * y(i))]
     return [sum(_feature(x, (d,)) * _feature(y, (d,)) for d in range(inputs[0].shape[0]))]
 
 
@@ -684,6 +716,43 @@ def _squared(feature):
     """``feature(i) * feature(i)`` as ``feature(i) ** 2``: the same values, and a derivative of one product where
     reverse mode through ``a * a`` adds ``ct * a`` twice."""
     return lambda i: jax.lax.integer_pow(feature(i), 2)
+
+
+def _sum_of_squares(size, square_of, feature):
+    """The sum of ``feature(i)``, i < size: by the GEMM where it is the square of ``steps(x - y)`` (``square_of``,
+    the two _Scaled points) over GEMM_FEATURES_MIN or more float32 or float64 features, else in a loop."""
+    exact = functools.partial(_looped_sum, size, feature)
+    dtype = None if square_of is None else square_of[0].point.dtype
+    if size < GEMM_FEATURES_MIN or dtype not in (jnp.float32, jnp.float64):
+        return exact()
+    return _squared_distance(*square_of, exact)
+
+
+def _squared_distance(first, second, exact):
+    """|steps(x - y)|^2 for every pair of a block, by the GEMM ``|a|^2 + |b|^2 - 2 a.b`` on centred, scaled
+    points wherever its error bound is within 4x the direct sum's; ``exact()`` (the direct sum) otherwise.
+
+    The GEMM's d^2 has an error bound of about eps (|a|^2 + |b|^2 + 2 |a| |b|) <= 2 eps (|a|^2 + |b|^2), the
+    direct sum's eps d^2: so the GEMM vouches for a pair where d^2 >= (|a|^2 + |b|^2) / 2. One pair in a row
+    that it cannot vouch for (a duplicate point, say) is recomputed directly; a block with a row with more
+    falls back to ``exact()`` (under ``vmap``, both run).
+    """
+    row_first = first.point.shape[1] == 1 and second.point.shape[0] == 1  # points [b, 1, D] and [1, n, D]
+    rows, cols = (first, second) if row_first else (second, first)
+    x, y = rows.point[:, 0], cols.point[0]  # [b, D] and [n, D]
+    centre = (jnp.sum(x, 0) + jnp.sum(y, 0)) / (x.shape[0] + y.shape[0])
+    a, b = rows.scaling(rows.point - centre)[:, 0], cols.scaling(cols.point - centre)[0]
+    norms = jnp.sum(a * a, 1)[:, None] + jnp.sum(b * b, 1)[None, :]
+    squared = norms - 2 * jnp.matmul(a, b.T, precision=jax.lax.Precision.HIGHEST)
+    unvouched = ~(squared >= norms / 2)  # NaN included
+
+    def repaired():
+        column = jax.lax.broadcasted_iota(jnp.int32, squared.shape, 1)
+        partner = jnp.max(jnp.where(unvouched, column, 0), axis=1)
+        direct = rows.scaling(rows.point - y[partner][:, None])  # [b, 1, D]: each row with its partner
+        return jnp.where(column == partner[:, None], jnp.sum(direct * direct, 2), jnp.maximum(squared, 0))
+
+    return jax.lax.cond(jnp.any(jnp.sum(unvouched, 1) > 1), exact, repaired)
 
 
 def _looped_sum(size, feature):
@@ -781,7 +850,10 @@ def _scaling_rule(eqn, args):
         a, b = args
         if a.point is not b.point and _same_steps(a.steps, b.steps):
             (difference,) = _elementwise(eqn, [a.point, b.point])
-            return [a.scaling(difference)]
+            scaled = a.scaling(difference)
+            if isinstance(scaled, _Looped):
+                scaled = _Looped(scaled.size, scaled.feature, scaled.dense, (a, b))
+            return [scaled]
     return None
 
 

@@ -1075,6 +1075,33 @@ def test_gpjax_kernels_take_the_pair_program_without_fallbacks(device):
         assert lazy_kernel.block_evaluation(kernel, 3) == "pair program", kernel
 
 
+@pytest.mark.parametrize("dim", [lazy_kernel.GEMM_FEATURES_MIN - 1, lazy_kernel.GEMM_FEATURES_MIN])
+def test_squared_distances_take_the_gemm_from_gemm_features_min(dim, monkeypatch, device):
+    """Differences scaled after or before they are taken, squared by ``*``, ``**`` or a dot, reach the GEMM (whose
+    accuracy test_as_accurate_as_the_vmap_form checks at D = 256) from GEMM_FEATURES_MIN features on."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the pair program runs on CPU")
+    original, calls = lazy_kernel._squared_distance, []
+    monkeypatch.setattr(lazy_kernel, "_squared_distance", lambda *args: calls.append(args) or original(*args))
+    ls = jnp.linspace(0.5, 1.5, dim, dtype=jnp.float32)
+    kernels = [
+        RBF(ls),
+        lambda x, y: jnp.exp(-0.5 * jnp.sum(((x - y) / ls) ** 2)),
+        lambda x, y: jnp.exp(-0.5 * jnp.sum((x / ls - y / ls) ** 2)),
+        lambda x, y: (lambda d: -jnp.dot(d, d))(-2.0 * (y - x)),
+    ]
+    try:
+        import gpjax
+    except ImportError:  # the 'interop' extra is not installed
+        gpjax = None
+    if gpjax:
+        kernels += [gpjax.kernels.RBF(lengthscale=ls), gpjax.kernels.Matern52(lengthscale=ls)]
+    for kernel in kernels:
+        calls.clear()
+        jax.eval_shape(functools.partial(kernel_block, kernel), *lazy_kernel._probe_blocks(dim, jnp.float32))
+        assert len(calls) == (dim >= lazy_kernel.GEMM_FEATURES_MIN), kernel
+
+
 # -- generated kernels: a grammar of the operations kernels use, against the vmap form -----------------
 
 _UNARY = {  # name -> function
