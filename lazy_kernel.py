@@ -607,7 +607,7 @@ def _elementwise(eqn, args):
         squaring = eqn.primitive.name == "mul" and args[0] is args[1]
         if squaring:
             feature = _squared(sources[0])
-        squaring |= eqn.primitive.name == "integer_pow" and eqn.params["y"] == 2
+        squaring |= eqn.primitive.name == "square" or (eqn.primitive.name == "integer_pow" and eqn.params["y"] == 2)
         square_of = getattr(args[0], "difference", None) if squaring else None
         dense = lambda: _broadcast_elementwise(eqn, [_dense(a) for a in args])[0]  # noqa: E731
         return [_Looped(shape[0], feature, dense, _scaled_difference(eqn, args), square_of)]

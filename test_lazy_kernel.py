@@ -1089,6 +1089,7 @@ def test_squared_distances_take_the_gemm_from_gemm_features_min(dim, monkeypatch
         lambda x, y: jnp.exp(-0.5 * jnp.sum(((x - y) / ls) ** 2)),
         lambda x, y: jnp.exp(-0.5 * jnp.sum((x / ls - y / ls) ** 2)),
         lambda x, y: (lambda d: -jnp.dot(d, d))(-2.0 * (y - x)),
+        lambda x, y: jnp.sqrt(jnp.sum(jnp.square(x - y))),
     ]
     try:
         import gpjax
