@@ -604,10 +604,10 @@ def _elementwise(eqn, args):
     if _of_both(args) and len(shape) == 1 and shape[0] > SPLIT_FEATURES_MAX:
         sources = [_features_of(a) for a in args]
         feature = lambda i: _bind_broadcast(eqn, [f(i) for f in sources])[0]  # noqa: E731
-        squaring = eqn.primitive.name == "mul" and args[0] is args[1]
-        if squaring:
+        name, power = eqn.primitive.name, eqn.params.get("y")
+        squaring = args[0] is args[-1] and (name in ("mul", "square") or (name == "integer_pow" and power == 2))
+        if squaring and name == "mul":
             feature = _squared(sources[0])
-        squaring |= eqn.primitive.name == "square" or (eqn.primitive.name == "integer_pow" and eqn.params["y"] == 2)
         square_of = getattr(args[0], "difference", None) if squaring else None
         dense = lambda: _broadcast_elementwise(eqn, [_dense(a) for a in args])[0]  # noqa: E731
         return [_Looped(shape[0], feature, dense, _scaled_difference(eqn, args), square_of)]
@@ -666,9 +666,9 @@ def _split_dot(eqn, args):
         return None
     x, y = args
     if not any(isinstance(a, _Split) for a in args):
-        size, difference = inputs[0].shape[0], getattr(x, "difference", None)
+        size = inputs[0].shape[0]
         if x is y:
-            return [_sum_of_squares(size, difference, _squared(_features_of(x)))]
+            return [_sum_of_squares(size, getattr(x, "difference", None), _squared(_features_of(x)))]
         x, y = _features_of(x), _features_of(y)
         return [_looped_sum(size, lambda i: x(i) * y(i))]
     return [sum(_feature(x, (d,)) * _feature(y, (d,)) for d in range(inputs[0].shape[0]))]
