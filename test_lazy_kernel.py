@@ -556,8 +556,8 @@ def memory_kernel(name, dim):
     return gpjax.kernels.Matern52(lengthscale=jnp.float32(0.7))
 
 
-MEMORY_CASES = [  # (kernel, D): every kind, D from 1 to 256, the pair program split and looped
-    *[("pair", d) for d in (1, 3, 16, 64)],
+MEMORY_CASES = [  # (kernel, D): every kind, D from 1 to 256, the pair program split, looped and by GEMM
+    *[("pair", d) for d in (1, 3, 16, 128)],
     *[("partial", d) for d in (3, 17, 256)],
     ("many", 2),
     ("rbf", 2),
