@@ -44,10 +44,8 @@ def median_times(functions, args, budget_s=20.0):
 
 
 class GemmRBF:
-    """The squared-distance GEMM form (``|a|^2 + |b|^2 - 2 a.b``): fast, and inexact for near pairs.
-
-    The module's RBF used it before this version; it is kept here as a speed reference only.
-    """
+    """The squared-distance GEMM form (``|a|^2 + |b|^2 - 2 a.b``) with no repair: fast, inexact for near pairs;
+    a speed reference only."""
 
     def __init__(self, lengthscale):
         self.lengthscale = lengthscale
