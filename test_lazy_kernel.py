@@ -1103,6 +1103,39 @@ def test_squared_distances_take_the_gemm_from_gemm_features_min(dim, monkeypatch
         assert len(calls) == (dim >= lazy_kernel.GEMM_FEATURES_MIN), kernel
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_gemm_blocks_match_the_dense_matrix(dtype, device):
+    """At GEMM_FEATURES_MIN features: both products, the transpose and gradients (points, lengthscales) against
+    the dense matrix in float64, for blocks of rows and of columns that take the GEMM with one pair per row
+    repaired (duplicates and near-duplicates, K of order 1 elsewhere) and that take the loop (tight clusters)."""
+    dim = lazy_kernel.GEMM_FEATURES_MIN
+    rng = np.random.default_rng(7)
+    ls = np.linspace(0.5, 1.5, dim)
+    spread = rng.normal(size=(16, dim)) * ls / np.sqrt(dim)  # K of order 1
+    sides = np.where(np.arange(16) % 2, 1.0, -1.0)[:, None]  # two clusters, their mean at the spread's
+    clusters = sides * rng.normal(size=dim) * ls + 1e-3 * rng.normal(size=(16, dim)) * ls
+    x1 = 100 * ls + np.concatenate([spread, clusters])  # far from the origin
+    near = spread[8:] + 1e-3 * rng.normal(size=(8, dim)) * ls / np.sqrt(dim)
+    x2 = 100 * ls + np.concatenate([spread[:8], near, clusters[:14]])
+    x1, x2, ls = (jnp.asarray(a, dtype) for a in (x1, x2, ls))
+    v, w = (jnp.asarray(rng.normal(size=shape), dtype) for shape in ((30, 2), (2, 32)))
+
+    def products_and_gradient(x1, x2, ls, dense):
+        def matrix(x1, x2, ls):
+            if dense:
+                return rbf_dense_jnp(x1, x2, ls, 1.3)
+            return LazyKernel(RBF(ls, 1.3), x1, x2, batch_size=8, checkpoint=True)
+
+        loss = lambda *args: jnp.sum(jnp.sin(matrix(*args) @ v)) + jnp.sum(jnp.sin(w @ matrix(*args)))  # noqa: E731
+        op = matrix(x1, x2, ls)
+        return (op @ v, w @ op, op.T @ w.T), jax.grad(loss, argnums=(0, 1, 2))(x1, x2, ls)
+
+    run = jax.jit(products_and_gradient, static_argnums=3)
+    lazy, dense = run(x1, x2, ls, False), run(*(a.astype(jnp.float64) for a in (x1, x2, ls)), True)
+    for got, want in zip(jax.tree_util.tree_leaves(lazy), jax.tree_util.tree_leaves(dense), strict=True):
+        assert_close(got, want, dtype)
+
+
 # -- generated kernels: a grammar of the operations kernels use, against the vmap form -----------------
 
 _UNARY = {  # name -> function
@@ -1308,6 +1341,7 @@ def accuracy_data(rng, dim, ls):
     """name -> (x1 [24, D], x2 [20, D]): x2[:6] = x1[:6] (distance zero), x2[6:12] 1e-3 lengthscales from x1[6:12]."""
     data = {}
     for name, centre, spread in (
+        ("1 lengthscale apart", 0, 1 / np.sqrt(dim)),  # K of order 1 for every pair
         ("spread 1", 0, 1),
         ("spread 30", 0, 30),
         ("spread 1000", 0, 1000),
