@@ -620,14 +620,8 @@ def _scaled_difference(eqn, args):
     tagged = [i for i, a in enumerate(args) if isinstance(a, _Looped) and a.difference]
     if len(tagged) != 1 or eqn.outvars[0].aval.dtype != args[tagged[0]].difference[0].point.dtype:
         return None
-    position, name = tagged[0], eqn.primitive.name
-    points = args[position].difference
-    if name == "neg":
-        return tuple(p.then(eqn, None, 0) for p in points)
-    other = args[1 - position] if len(args) == 2 else None
-    if name in ("mul", "div") and (name == "mul" or position == 0) and not isinstance(other, (_Split, _Looped)):
-        return tuple(p.then(eqn, other, position) for p in points) if other.shape[:2] == (1, 1) else None
-    return None
+    step = _scaling_step(eqn, args, tagged[0])
+    return None if step is None else tuple(p.then(eqn, *step) for p in args[tagged[0]].difference)
 
 
 def _bind_broadcast(eqn, features):
@@ -840,12 +834,9 @@ def _scaling_rule(eqn, args):
     first = args[lazy[0]]
     if out.shape != first.point.shape[2:] or out.dtype != first.point.dtype:
         return None
-    if name == "neg":
-        return [first.then(eqn, None, 0)]
-    if name in ("mul", "div") and len(lazy) == 1 and (name == "mul" or lazy == [0]):
-        other = args[1 - lazy[0]]
-        if not isinstance(other, (_Split, _Looped)) and other.shape[:2] == (1, 1):  # a value of neither point
-            return [first.then(eqn, other, lazy[0])]
+    step = _scaling_step(eqn, args, lazy[0])
+    if step is not None:
+        return [first.then(eqn, *step)]
     if name == "sub" and len(lazy) == 2:
         a, b = args
         if a.point is not b.point and _same_steps(a.steps, b.steps):
@@ -854,6 +845,19 @@ def _scaling_rule(eqn, args):
             if isinstance(scaled, _Looped):
                 scaled = _Looped(scaled.size, scaled.feature, scaled.dense, (a, b))
             return [scaled]
+    return None
+
+
+def _scaling_step(eqn, args, position):
+    """``(other, position)`` for ``_Scaled.then`` where ``eqn`` negates its argument at ``position``, or multiplies
+    it by (or, as the numerator, divides it by) a value of neither point; else None."""
+    name = eqn.primitive.name
+    if name == "neg":
+        return None, 0
+    if name in ("mul", "div") and (name == "mul" or position == 0):
+        other = args[1 - position]
+        if not isinstance(other, (_Split, _Looped, _Scaled)) and other.shape[:2] == (1, 1):  # of neither point
+            return other, position
     return None
 
 
