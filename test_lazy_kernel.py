@@ -1266,6 +1266,10 @@ def generated_programs(kernel):
             loss = lambda block: lambda x1: jnp.sum(jnp.sin(block(kernel, x1, x2) @ v))  # noqa: E731
             fast = jax.grad(loss(kernel_block))(x1) if lazily else None
             values["gradient"] = (fast, jax.grad(loss(lazy_kernel._vmap_block))(x1))
+            # The gradient's scale: the sum of absolute terms of a component, sum_j |v_j dK_ij/dx_i|, times
+            # 1 + sum_j |K_ij v_j|, the terms of the (K @ v)_i at which sin's derivative is taken.
+            terms = jnp.abs(v[:, None] * jax.vmap(jax.vmap(jax.grad(kernel), (None, 0)), (0, None))(x1, x2))
+            values["gradient scale"] = (None, terms.sum(1) * (1 + jnp.abs(dense * v).sum(1, keepdims=True)))
         return values
 
     def with_oracle(x1, x2):
@@ -1289,9 +1293,11 @@ def check_generated(kernel, program, x1, x2):
     values, oracles = program(x1, x2)
     oracles = oracles or values
     for name, (fast, vmapped) in values.items():
+        if name == "gradient scale":
+            continue
         oracle = np.asarray(oracles[name][1])
-        magnitude = np.abs(oracle[np.isfinite(oracle)]) if oracle.dtype.kind in "fc" else np.abs(oracle)
-        scale = float(max(1.0, magnitude.max(initial=0.0)))
+        magnitude = np.abs(np.asarray(oracles["gradient scale" if name == "gradient" else name][1]))
+        scale = float(max(1.0, magnitude[np.isfinite(magnitude)].max(initial=0.0)))
         # On float64 points the oracle is the vmap form itself: no finer one runs the kernel. Sums reordered and
         # differences taken before scaling (see lazy_kernel._Scaled) each add a few roundings to its error.
         within_contract(fast, vmapped, oracle, scale, slack=16 if x1.dtype == jnp.float32 else 64)
