@@ -1252,7 +1252,8 @@ def within_contract(fast, vmapped, oracle, scale, slack=16):
 
 def generated_programs(kernel):
     """One jitted program of the points: the block, both products and the gradient of sum(sin(K @ v)) w.r.t. x1,
-    each as (lazy, vmap form); and the oracle's, the vmap form's on float64 points where they are float32."""
+    each as (lazy, vmap form), with the scale of each; and the oracle's, the vmap form's on float64 points where
+    they are float32."""
     vmap_form = functools.partial(lazy_kernel._vmap_block, kernel)
 
     def run(x1, x2, dtype, lazily=True):
@@ -1266,11 +1267,13 @@ def generated_programs(kernel):
             loss = lambda block: lambda x1: jnp.sum(jnp.sin(block(kernel, x1, x2) @ v))  # noqa: E731
             fast = jax.grad(loss(kernel_block))(x1) if lazily else None
             values["gradient"] = (fast, jax.grad(loss(lazy_kernel._vmap_block))(x1))
-            # The gradient's scale: the sum of absolute terms of a component, sum_j |v_j dK_ij/dx_i|, times
+        scales = {name: vmapped for name, (_, vmapped) in values.items()}  # each value's own magnitude
+        if "gradient" in values:
+            # A gradient's: the sum of absolute terms of a component, sum_j |v_j dK_ij/dx_i|, times
             # 1 + sum_j |K_ij v_j|, the terms of the (K @ v)_i at which sin's derivative is taken.
             terms = jnp.abs(v[:, None] * jax.vmap(jax.vmap(jax.grad(kernel), (None, 0)), (0, None))(x1, x2))
-            values["gradient scale"] = (None, terms.sum(1) * (1 + jnp.abs(dense * v).sum(1, keepdims=True)))
-        return values
+            scales["gradient"] = terms.sum(1) * (1 + jnp.abs(dense * v).sum(1, keepdims=True))
+        return values, scales
 
     def with_oracle(x1, x2):
         dtype = jax.eval_shape(vmap_form, x1, x2).dtype
@@ -1290,13 +1293,11 @@ def check_generated(kernel, program, x1, x2):
         with pytest.raises(type(error)):
             LazyKernel(kernel, x1, x2) @ jnp.ones(x2.shape[0])
         return
-    values, oracles = program(x1, x2)
-    oracles = oracles or values
+    lazy, wide = program(x1, x2)
+    (values, _), (oracles, scales) = lazy, wide or lazy
     for name, (fast, vmapped) in values.items():
-        if name == "gradient scale":
-            continue
         oracle = np.asarray(oracles[name][1])
-        magnitude = np.abs(np.asarray(oracles["gradient scale" if name == "gradient" else name][1]))
+        magnitude = np.abs(np.asarray(scales[name]))
         scale = float(max(1.0, magnitude[np.isfinite(magnitude)].max(initial=0.0)))
         # On float64 points the oracle is the vmap form itself: no finer one runs the kernel. Sums reordered and
         # differences taken before scaling (see lazy_kernel._Scaled) each add a few roundings to its error.
