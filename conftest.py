@@ -1,5 +1,8 @@
-"""Test set-up: float64, full-precision matmuls, hypothesis profiles, one run per platform."""
+"""Test set-up: float64, full-precision matmuls, cheap CPU code generation, hypothesis profiles, one run per
+platform."""
 
+import contextlib
+import inspect
 import os
 
 import jax
@@ -10,6 +13,56 @@ jax.config.update("jax_enable_x64", True)
 # GPUs with TF32 would otherwise round float32 matmuls (the operator's and
 # the oracle's) to about 3 decimal digits; the tests check full precision.
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+# Most of the suite's time is XLA compiling for the CPU. At its cheapest code generation (no LLVM optimisation, the
+# older fusion emitters) a compile takes about a third of the time. XLA's temporaries and rounding can differ there,
+# so a program compiled with options of its own (LazyKernel's measurements) keeps them, and the tests whose claims
+# are about the programs users compile (the accuracy contract, XLA's temporaries) compile in ``as_users_compile()``.
+CHEAPEST_CPU_CODEGEN = {
+    "xla_backend_optimization_level": 0,
+    "xla_llvm_disable_expensive_passes": True,
+    "xla_cpu_use_fusion_emitters": False,  # XLA from jaxlib 0.5.3 on; older XLA rejects it
+}
+_cheap_cpu_options = {}  # the options of CHEAPEST_CPU_CODEGEN this XLA takes; none inside as_users_compile()
+
+
+def _known_to_xla(name, value):
+    try:
+        with jax.default_device(jax.devices("cpu")[0]):
+            jax.jit(lambda x: x).lower(0.0).compile({name: value})
+    except Exception:  # XlaRuntimeError, by another name in each JAX: "No such compile option"
+        return False
+    return True
+
+
+def _cheap_on_cpu(get_compile_options):
+    """JAX's ``get_compile_options``, with the cheap options for CPU programs compiled without options of their own."""
+
+    def cheap(*args, env_options_overrides=None, backend=None, **kwargs):
+        if not env_options_overrides and backend is not None and backend.platform == "cpu":
+            env_options_overrides = _cheap_cpu_options
+        return get_compile_options(*args, env_options_overrides=env_options_overrides, backend=backend, **kwargs)
+
+    return cheap
+
+
+@contextlib.contextmanager
+def as_users_compile():
+    """Programs compiled inside compile with JAX's default options, as users' do."""
+    cheap = dict(_cheap_cpu_options)
+    _cheap_cpu_options.clear()
+    try:
+        yield
+    finally:
+        _cheap_cpu_options.update(cheap)
+
+
+_get_compile_options = getattr(jax._src.compiler, "get_compile_options", None)  # JAX's own: checked before use
+_parameters = inspect.signature(_get_compile_options).parameters if _get_compile_options else {}
+if {"env_options_overrides", "backend"} <= set(_parameters):
+    _cheap_cpu_options.update({name: v for name, v in CHEAPEST_CPU_CODEGEN.items() if _known_to_xla(name, v)})
+    jax._src.compiler.get_compile_options = _cheap_on_cpu(_get_compile_options)
 
 settings.register_profile(
     "ci",

@@ -25,6 +25,7 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 import lazy_kernel
+from conftest import as_users_compile
 from lazy_kernel import RBF, LazyKernel, kernel_block
 
 JAX_VERSION = tuple(int(part) for part in jax.__version__.split(".")[:2])
@@ -507,7 +508,10 @@ def test_bad_operands_are_refused():
 
 
 def temp_bytes(f, *args):
-    return jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes
+    """XLA's temporaries for ``f``, compiled as users compile it."""
+    lowered = jax.jit(f).lower(*args)
+    with as_users_compile():
+        return lowered.compile().memory_analysis().temp_size_in_bytes
 
 
 @pytest.mark.parametrize("block", [256, 250])  # 250 does not divide 4096: no separate remainder block
@@ -1403,7 +1407,8 @@ def test_as_accurate_as_the_vmap_form(name, dim, dtype):
     forms = jax.jit(forms)
     for data, (x1, x2) in accuracy_data(rng, dim, ls_wide).items():
         x1, x2 = np.asarray(x1, dtype), np.asarray(x2, dtype)
-        (fast, fast_grads), (vmapped, vmapped_grads) = forms(jnp.asarray(ls), jnp.asarray(x1), jnp.asarray(x2))
+        with as_users_compile():  # rounding is the point: compiled as users' programs are
+            (fast, fast_grads), (vmapped, vmapped_grads) = forms(jnp.asarray(ls), jnp.asarray(x1), jnp.asarray(x2))
         wide = [a.astype(np.longdouble) for a in (x1, x2, ls)]
         oracle, dk_dx, dk_dls = exact(wide[0][:, None], wide[1][None], wide[2])
 
