@@ -118,23 +118,29 @@ def lengthscales(dim):
     return jnp.linspace(0.5, 1.5, dim, dtype=jnp.float32) * np.sqrt(dim / 3)
 
 
+def products(makes):
+    """``(ls, x, v) -> K @ v`` for each kernel made from per-feature lengthscales."""
+    return [lambda ls, x, v, make=make: LazyKernel(make(ls), x, x) @ v for make in makes]
+
+
+def gradients(makes):
+    """``(ls, x, v) ->`` the checkpointed gradient of sum(sin(K @ v)) w.r.t. all three, for each kernel."""
+    loss = lambda ls, x, v, make: jnp.sum(jnp.sin(LazyKernel(make(ls), x, x, checkpoint=True) @ v))  # noqa: E731
+    return [jax.grad(functools.partial(loss, make=make), argnums=(0, 1, 2)) for make in makes]
+
+
 def forward_seconds(made, x, v):
     """Median seconds of K @ v for each kernel made from per-feature lengthscales, round-robin with the
     ceiling on the same blocks; and those blocks' rows."""
     ls = lengthscales(x.shape[1])
-    forward = [lambda ls, x, v, make=make: LazyKernel(make(ls), x, x) @ v for make in made.values()]
     rows = LazyKernel(RBF(ls), x, x).block_rows
-    seconds = median_times([*forward, lambda ls, x, v: ceiling(x.shape[0], rows)(x, v)], (ls, x, v))
+    seconds = median_times([*products(made.values()), lambda ls, x, v: ceiling(x.shape[0], rows)(x, v)], (ls, x, v))
     return seconds[:-1], seconds[-1], rows
 
 
 def gradient_seconds(made, x, v):
     """Median seconds of the checkpointed gradient of sum(sin(K @ v)) (lengthscales, points, v), round-robin."""
-    gradient = []
-    for make in made.values():
-        loss = lambda ls, x, v, make=make: jnp.sum(jnp.sin(LazyKernel(make(ls), x, x, checkpoint=True) @ v))  # noqa: E731
-        gradient.append(jax.grad(loss, argnums=(0, 1, 2)))
-    return median_times(gradient, (lengthscales(x.shape[1]), x, v))
+    return median_times(gradients(made.values()), (lengthscales(x.shape[1]), x, v))
 
 
 def kernels_table(n, gpjax):
@@ -369,12 +375,9 @@ def gemm_table(n, gpjax):
         v, ls = jnp.asarray(rng.normal(size=len(x)), jnp.float32), lengthscales(dim)
         makes = [GemmRBF] + [make for make in made.values() for _ in ("GEMM", "loop")]
         switches = [{}] + [{"GEMM_FEATURES_MIN": dim + loop} for _ in made for loop in (0, 1)]
-        forward = [lambda ls, x, v, make=make: LazyKernel(make(ls), x, x) @ v for make in makes]
-        loss = lambda ls, x, v, make: jnp.sum(jnp.sin(LazyKernel(make(ls), x, x, checkpoint=True) @ v))  # noqa: E731
-        gradient = [jax.grad(functools.partial(loss, make=make), argnums=(0, 1, 2)) for make in makes]
-        forward_s = median_times([traced_with(f, **s) for f, s in zip(forward, switches, strict=True)], (ls, x, v))
-        half = (ls, x[: len(x) // 2], v[: len(x) // 2])
-        gradient_s = median_times([traced_with(g, **s) for g, s in zip(gradient, switches, strict=True)], half)
+        full, half = (ls, x, v), (ls, x[: len(x) // 2], v[: len(x) // 2])
+        forward_s = median_times([traced_with(f, **s) for f, s in zip(products(makes), switches, strict=True)], full)
+        gradient_s = median_times([traced_with(g, **s) for g, s in zip(gradients(makes), switches, strict=True)], half)
         ratio = [f"{f / forward_s[0]:.2f}, {g / gradient_s[0]:.2f}" for f, g in zip(forward_s, gradient_s, strict=True)]
         for i, kernel in enumerate(made):
             print(f"| {name} | {kernel} | {ratio[1 + 2 * i]} | {ratio[2 + 2 * i]} | {unvouched_per_row(x, ls):.2f} |")
