@@ -29,7 +29,7 @@ _cheap_cpu_options = {}  # the options of CHEAPEST_CPU_CODEGEN this XLA takes; n
 
 def _known_to_xla(name, value):
     try:
-        with jax.default_device(jax.devices("cpu")[0]):
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
             jax.jit(lambda x: x).lower(0.0).compile({name: value})
     except Exception:  # XlaRuntimeError, by another name in each JAX: "No such compile option"
         return False
