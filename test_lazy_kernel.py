@@ -1256,12 +1256,15 @@ def within_contract(fast, vmapped, oracle, scale, slack=16):
 
 def generated_programs(kernel):
     """One jitted program of the points: the block, both products and the gradient of sum(sin(K @ v)) w.r.t. x1,
-    each as (lazy, vmap form), with the scale of each; and the oracle's, the vmap form's on float64 points where
-    they are float32."""
+    each as (lazy, vmap form); the oracle's, the vmap form's on float64 points where they are float32; and the
+    scale of each oracle value."""
     vmap_form = functools.partial(lazy_kernel._vmap_block, kernel)
 
+    def operands(x1, x2, dtype):
+        return (jnp.asarray(np.arange(n) % 3 - 1, dtype) for n in (x2.shape[0], x1.shape[0]))
+
     def run(x1, x2, dtype, lazily=True):
-        v, w = (jnp.asarray(np.arange(n) % 3 - 1, dtype) for n in (x2.shape[0], x1.shape[0]))
+        v, w = operands(x1, x2, dtype)
         dense = vmap_form(x1, x2)
         op = LazyKernel(kernel, x1, x2, batch_size=2)
         values = {"block": (kernel_block(kernel, x1, x2) if lazily else None, dense)}
@@ -1271,19 +1274,26 @@ def generated_programs(kernel):
             loss = lambda block: lambda x1: jnp.sum(jnp.sin(block(kernel, x1, x2) @ v))  # noqa: E731
             fast = jax.grad(loss(kernel_block))(x1) if lazily else None
             values["gradient"] = (fast, jax.grad(loss(lazy_kernel._vmap_block))(x1))
-        scales = {name: vmapped for name, (_, vmapped) in values.items()}  # each value's own magnitude
+        return values
+
+    def scales(x1, x2, dtype, values):
+        """Each value's own magnitude; a gradient's, the sum of absolute terms of a component,
+        sum_j |v_j dK_ij/dx_i|, times 1 + sum_j |K_ij v_j|, the terms of the (K @ v)_i at which sin's derivative is
+        taken."""
+        scales = {name: vmapped for name, (_, vmapped) in values.items()}
         if "gradient" in values:
-            # A gradient's: the sum of absolute terms of a component, sum_j |v_j dK_ij/dx_i|, times
-            # 1 + sum_j |K_ij v_j|, the terms of the (K @ v)_i at which sin's derivative is taken.
+            v, _ = operands(x1, x2, dtype)
             terms = jnp.abs(v[:, None] * jax.vmap(jax.vmap(jax.grad(kernel), (None, 0)), (0, None))(x1, x2))
-            scales["gradient"] = terms.sum(1) * (1 + jnp.abs(dense * v).sum(1, keepdims=True))
-        return values, scales
+            scales["gradient"] = terms.sum(1) * (1 + jnp.abs(values["block"][1] * v).sum(1, keepdims=True))
+        return scales
 
     def with_oracle(x1, x2):
         dtype = jax.eval_shape(vmap_form, x1, x2).dtype
-        wide = x1.dtype == jnp.float32
-        oracle = run(x1.astype(jnp.float64), x2.astype(jnp.float64), dtype, lazily=False) if wide else None
-        return run(x1, x2, dtype), oracle
+        values = oracles = run(x1, x2, dtype)
+        if x1.dtype == jnp.float32:
+            x1, x2 = x1.astype(jnp.float64), x2.astype(jnp.float64)
+            oracles = run(x1, x2, dtype, lazily=False)
+        return values, oracles, scales(x1, x2, dtype, oracles)
 
     return jax.jit(with_oracle)
 
@@ -1297,8 +1307,7 @@ def check_generated(kernel, program, x1, x2):
         with pytest.raises(type(error)):
             LazyKernel(kernel, x1, x2) @ jnp.ones(x2.shape[0])
         return
-    lazy, wide = program(x1, x2)
-    (values, _), (oracles, scales) = lazy, wide or lazy
+    values, oracles, scales = program(x1, x2)
     for name, (fast, vmapped) in values.items():
         oracle = np.asarray(oracles[name][1])
         magnitude = np.abs(np.asarray(scales[name]))
