@@ -16,13 +16,15 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 
 # Most of the suite's time is XLA compiling for the CPU. At its cheapest code generation (no LLVM optimisation, the
-# older fusion emitters) a compile takes about a third of the time. XLA's temporaries and rounding can differ there,
-# so a program compiled with options of its own (LazyKernel's measurements) keeps them, and the tests whose claims
-# are about the programs users compile (the accuracy contract, XLA's temporaries) compile in ``as_users_compile()``.
+# older fusion emitters, LLVM modules compiled whole) a compile takes about a third of the time. XLA's temporaries
+# and rounding can differ there, so a program compiled with options of its own (LazyKernel's measurements) keeps
+# them, and the tests whose claims are about the programs users compile (the accuracy contract, XLA's temporaries)
+# compile in ``as_users_compile()``.
 CHEAPEST_CPU_CODEGEN = {
     "xla_backend_optimization_level": 0,
     "xla_llvm_disable_expensive_passes": True,
     "xla_cpu_use_fusion_emitters": False,  # XLA from jaxlib 0.5.3 on; older XLA rejects it
+    "xla_cpu_parallel_codegen_split_count": 1,  # where XLA has it; splitting to compile in parallel cost more
 }
 _cheap_cpu_options = {}  # the options of CHEAPEST_CPU_CODEGEN this XLA takes; none inside as_users_compile()
 

@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import warnings
 
 import jax
@@ -119,6 +120,28 @@ def layers(request, monkeypatch):
         monkeypatch.setattr(lazy_kernel, "PAIR_PROGRAM", False)
         monkeypatch.setattr(lazy_kernel, "MEASURED_BLOCKS", False)
     return request.param
+
+
+started_early = {}  # start function -> the processes it started with the session; the test takes them
+
+
+@pytest.fixture(scope="session", autouse=True)
+def start_early(request):
+    """Start the selected tests that run in other processes with the session: they run beside it, which keeps
+    about one of two cores busy. Their tests wait for them."""
+    starts = {
+        "test_shard_map_on_four_devices_and_the_sanity_check_there": start_on_four_devices,
+        "test_shard_map_on_two_processes": start_on_two_processes,
+    }
+    for item in request.session.items:
+        name = item.originalname
+        skipped = any(mark.args and mark.args[0] for mark in item.iter_markers("skipif"))
+        if name in starts and starts[name] not in started_early and not skipped:
+            started_early[starts[name]] = starts[name]()
+    yield
+    for processes in started_early.values():  # of a test that did not run (after -x, say)
+        for proc, _ in processes:
+            proc.kill()
 
 
 # -- products against the oracle ----------------------------------------------
@@ -1513,32 +1536,58 @@ def check_sharded():
     print(f"sharded check passed on {count} devices in process {jax.process_index()} of {jax.process_count()}")
 
 
-def run_python(code, env, timeout=300, processes=1):
-    """Run ``code`` in fresh Python processes (CPU only); fail with their output if any fails."""
+def start_python(code, env, processes=1):
+    """Start ``code`` in fresh Python processes (CPU only); ``finish`` waits for them."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", **env}
     here = os.path.dirname(os.path.abspath(__file__))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", code.format(process=i)],
-            cwd=here,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(processes)
-    ]
+    started = []
+    for i in range(processes):
+        out = tempfile.TemporaryFile("w+")  # not a pipe: the process may run long before it is read
+        command = [sys.executable, "-c", code.format(process=i)]
+        started.append((subprocess.Popen(command, cwd=here, env=env, stdout=out, stderr=subprocess.STDOUT), out))
+    return started
+
+
+def finish(started, timeout=300):
+    """The outputs of processes from ``start_python``; fail with their output if any fails."""
     outputs = []
     try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=timeout)[0])
+        for proc, out in started:
+            proc.wait(timeout=timeout)
+            out.seek(0)
+            outputs.append(out.read())
+            assert proc.returncode == 0, outputs[-1]
     finally:
-        for proc in procs:
+        for proc, out in started:
             proc.kill()
             proc.wait()
-    for proc, out in zip(procs, outputs, strict=True):
-        assert proc.returncode == 0, out
+            out.close()
     return outputs
+
+
+def start_on_four_devices():
+    return start_python(
+        "import sys, lazy_kernel, test_lazy_kernel as t; t.check_sharded(); "
+        "sys.exit(lazy_kernel.main(['--n', '402', '--devices', 'all', '--batch-size', '30']))",
+        {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+    )
+
+
+def start_on_two_processes():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = (
+        "import jax; jax.config.update('jax_cpu_collectives_implementation', 'gloo'); "
+        f"jax.distributed.initialize('127.0.0.1:{port}', num_processes=2, process_id={{process}}); "
+        "import test_lazy_kernel as t; t.check_sharded()"
+    )
+    return start_python(code, {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}, processes=2)
+
+
+def started(start):
+    """The processes ``start`` started with the session (``start_early``), else started now."""
+    return started_early.pop(start, None) or start()
 
 
 @pytest.fixture
@@ -1549,11 +1598,7 @@ def cpu_only(device):
 
 @pytest.mark.usefixtures("cpu_only")
 def test_shard_map_on_four_devices_and_the_sanity_check_there():
-    (out,) = run_python(
-        "import sys, lazy_kernel, test_lazy_kernel as t; t.check_sharded(); "
-        "sys.exit(lazy_kernel.main(['--n', '402', '--devices', 'all', '--batch-size', '30']))",
-        {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
-    )
+    (out,) = finish(started(start_on_four_devices))
     assert "passed on 4 devices" in out
     assert "devices: 4 x cpu" in out and "K: 400 x 400" in out and "30 rows of 100" in out and "PASS" in out
 
@@ -1561,15 +1606,7 @@ def test_shard_map_on_four_devices_and_the_sanity_check_there():
 @pytest.mark.usefixtures("cpu_only")
 @pytest.mark.skipif(JAX_VERSION < (0, 10), reason="run on JAX 0.10; JAX 0.4.30's gloo CPU collectives aborted")
 def test_shard_map_on_two_processes():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    code = (
-        "import jax; jax.config.update('jax_cpu_collectives_implementation', 'gloo'); "
-        f"jax.distributed.initialize('127.0.0.1:{port}', num_processes=2, process_id={{process}}); "
-        "import test_lazy_kernel as t; t.check_sharded()"
-    )
-    outputs = run_python(code, {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}, processes=2)
+    outputs = finish(started(start_on_two_processes))
     for i, out in enumerate(outputs):
         assert f"passed on 4 devices in process {i} of 2" in out
 
