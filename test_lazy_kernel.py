@@ -140,8 +140,7 @@ def start_early(request):
             started_early[starts[name]] = starts[name]()
     yield
     for processes in started_early.values():  # of a test that did not run (after -x, say)
-        for proc, _ in processes:
-            proc.kill()
+        stop(processes)
 
 
 # -- products against the oracle ----------------------------------------------
@@ -1558,11 +1557,16 @@ def finish(started, timeout=300):
             outputs.append(out.read())
             assert proc.returncode == 0, outputs[-1]
     finally:
-        for proc, out in started:
-            proc.kill()
-            proc.wait()
-            out.close()
+        stop(started)
     return outputs
+
+
+def stop(started):
+    """Kill processes from ``start_python`` (if still running) and close their output files."""
+    for proc, out in started:
+        proc.kill()
+        proc.wait()
+        out.close()
 
 
 def start_on_four_devices():
