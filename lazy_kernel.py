@@ -48,7 +48,15 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["CrossCovarianceKernel", "LazyKernel", "Measurement", "PairKernel", "RBF", "kernel_block"]
+__all__ = [
+    "CrossCovarianceKernel",
+    "LazyKernel",
+    "Measurement",
+    "PairKernel",
+    "RBF",
+    "block_evaluation",
+    "kernel_block",
+]
 
 PAIR_PROGRAM = True  # layer 4; False: every block is the vmap form (or the kernel's cross_covariance)
 MEASURED_BLOCKS = True  # layer 5; False: blocks of batch_size_row rows, the seed's arithmetic
