@@ -6,7 +6,8 @@
     python bench_lazy_kernel.py --split 8192     # feature sums written out against a loop, by D
     python bench_lazy_kernel.py --blocks 16384   # K @ v by block size; v @ K against K @ v by block kind
     python bench_lazy_kernel.py --gemm 8192      # squared distances by GEMM against the loop, D = 64 to 256
-    python bench_lazy_kernel.py                  # all six at those sizes
+    python bench_lazy_kernel.py --wide 8192      # float32 distances by the float64 GEMM, by D, x64 off and on
+    python bench_lazy_kernel.py                  # all seven at those sizes
 
 GPJax comes from the 'interop' extra. Everything a table compares runs in this
 one process on the same data (float32), timed round-robin so that load drifting
@@ -383,6 +384,49 @@ def gemm_table(n, gpjax):
             print(f"| {name} | {kernel} | {ratio[1 + 2 * i]} | {ratio[2 + 2 * i]} | {unvouched_per_row(x, ls):.2f} |")
 
 
+def wide_table(n, gpjax):
+    """Float32 distances by the float64 GEMM against the loop (and, from GEMM_FEATURES_MIN, the float32 GEMM), by
+    D, with x64 off and on; and a product under vmap over two sets of lengthscales (where lax.cond runs both)."""
+    print("\n## Float32 squared distances by the float64 GEMM (WIDE_GEMM_FEATURES_MIN moved below D) against the")
+    print(f"## forms without it, float32: K @ v at M = N = {n} and the checkpointed gradient at {n // 2} (at D = 256")
+    print("## half of each), ratios to the inexact GEMM RBF in the same run; each cell: float64 GEMM, without\n")
+    print("| x64 | D | kernel | K @ v | gradient |")
+    print("|---|---|---|---|---|")
+    made = {"lazy_kernel.RBF": lambda ls: RBF(ls, jnp.float32(1.3))}
+    if gpjax is not None:
+        made["GPJax Matern52"] = lambda ls: gpjax.kernels.Matern52(lengthscale=ls, variance=1.3)
+    for x64 in (False, True):
+        jax.config.update("jax_enable_x64", x64)
+        for dim in (4, 8, 16, 64, 256):
+            rng = np.random.default_rng(0)
+            size = n if dim < 256 else n // 2
+            x = jnp.asarray(rng.normal(size=(size, dim)), jnp.float32)
+            v, ls = jnp.asarray(rng.normal(size=size), jnp.float32), lengthscales(dim)
+            makes = [GemmRBF] + [make for make in made.values() for _ in (0, 1)]
+            switches = [{}] + [{"WIDE_GEMM_FEATURES_MIN": 1 if wide else 10**9} for _ in made for wide in (1, 0)]
+            full, half = (ls, x, v), (ls, x[: size // 2], v[: size // 2])
+            forward = median_times([traced_with(f, **s) for f, s in zip(products(makes), switches, strict=True)], full)
+            gradient = median_times(
+                [traced_with(g, **s) for g, s in zip(gradients(makes), switches, strict=True)], half
+            )
+            for i, kernel in enumerate(made):
+                cells = [f"{t[1 + 2 * i] / t[0]:.2f}, {t[2 + 2 * i] / t[0]:.2f}" for t in (forward, gradient)]
+                print(f"| {'on' if x64 else 'off'} | {dim} | {kernel} | {' | '.join(cells)} |", flush=True)
+    jax.config.update("jax_enable_x64", False)
+    dim, rng = 16, np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(n // 2, dim)), jnp.float32)
+    v, ls = jnp.asarray(rng.normal(size=n // 2), jnp.float32), jnp.stack([lengthscales(dim), 2 * lengthscales(dim)])
+    batched = [jax.vmap(f, (0, None, None)) for f in products([lambda ls: RBF(ls, jnp.float32(1.3))] * 2)]
+    single = products([lambda ls: RBF(ls, jnp.float32(1.3))] * 2)
+    switches = [{"WIDE_GEMM_FEATURES_MIN": m} for m in (1, 10**9)]
+    seconds = median_times(
+        [traced_with(f, **s) for f, s in zip(batched + single, switches * 2, strict=True)], (ls, x, v)
+    )
+    seconds[2:] = median_times([traced_with(f, **s) for f, s in zip(single, switches, strict=True)], (ls[0], x, v))
+    print(f"\nD = 16, M = N = {n // 2}, RBF: vmap over 2 lengthscale sets {seconds[0] * 1e3:.0f} ms (float64 GEMM) and")
+    print(f"{seconds[1] * 1e3:.0f} ms (loop); one set {seconds[2] * 1e3:.0f} ms and {seconds[3] * 1e3:.0f} ms")
+
+
 def machine():
     device = jax.devices()[0]
     cpu = platform.machine()
@@ -401,9 +445,12 @@ def main():
     parser.add_argument("--blocks", type=int, metavar="N")
     parser.add_argument("--real", action="store_true")
     parser.add_argument("--gemm", type=int, metavar="N")
+    parser.add_argument("--wide", type=int, metavar="N")
     args = parser.parse_args()
     if not any(vars(args).values()):
-        args = argparse.Namespace(kernels=8192, first_use=3000, split=8192, blocks=16384, real=True, gemm=8192)
+        args = argparse.Namespace(
+            kernels=8192, first_use=3000, split=8192, blocks=16384, real=True, gemm=8192, wide=8192
+        )
     try:
         import gpjax
     except ImportError:
@@ -422,6 +469,8 @@ def main():
         real_table(gpjax)
     if args.gemm:
         gemm_table(args.gemm, gpjax)
+    if args.wide:
+        wide_table(args.wide, gpjax)
 
 
 if __name__ == "__main__":

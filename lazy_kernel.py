@@ -35,6 +35,7 @@ The file depends on ``jax`` alone: copy it into your project if you like.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import math
 import numbers
@@ -58,6 +59,7 @@ __all__ = [
     "kernel_block",
 ]
 
+_JAX_VERSION = tuple(int(part) for part in jax.__version__.split(".")[:2])
 PAIR_PROGRAM = True  # layer 4; False: every block is the vmap form (or the kernel's cross_covariance)
 MEASURED_BLOCKS = True  # layer 5; False: blocks of batch_size_row rows, the seed's arithmetic
 
@@ -488,13 +490,16 @@ def _warn_on_derivative(primals, tangents):
 # scaled (``_Scaled``), ``a * a`` (or a dot of ``a`` with itself) in the loop
 # is ``a ** 2``: the same values and derivatives, but reverse mode through
 # ``a * a`` adds ``ct * a`` twice, which took RBF's gradient 1.4x to 1.5x as
-# long at D = 256; and from GEMM_FEATURES_MIN features a sum of squared scaled
-# differences is a GEMM where its error bound is within 4x the direct sum's
-# (``_squared_distance``). An equation no rule takes is vmapped on its own
+# long at D = 256; and a sum of squared scaled differences is a GEMM: from
+# GEMM_FEATURES_MIN features where its error bound is within 4x the direct
+# sum's (``_squared_distance``), and for float32 points from
+# WIDE_GEMM_FEATURES_MIN features in float64 where the kernel takes its error
+# (``_wide_squared_distance``). An equation no rule takes is vmapped on its own
 # (``_by_vmap``), and a kernel the program does not take at all (``None``)
 # gets the vmap form.
 
 SPLIT_FEATURES_MAX = 2  # bench_lazy_kernel.py --split: from 3 features on, the loop was faster
+WIDE_GEMM_FEATURES_MIN = 8  # bench_lazy_kernel.py --wide: at D = 4 the loop's K @ v was faster, at 8 slower
 GEMM_FEATURES_MIN = 128  # bench_lazy_kernel.py --gemm: at D = 64, random points had 2.2 pairs per row the GEMM
 # cannot vouch for, so every block fell back to the loop, and took 1.2x the loop's time
 
@@ -541,14 +546,38 @@ def _pair_program_block(kernel, xa, xb, transposed=False, vmapped=None):
     program = jax.make_jaxpr(lambda x, y: kernel(x, y))(first[0, 0], second[0, 0])  # __name__ may not be a str
     if program.jaxpr.effects:
         return None
-    (out,) = _run(program.jaxpr, program.consts, _scaled_inputs(first, second), set() if vmapped is None else vmapped)
-    return jnp.broadcast_to(_dense(_evaluated(out)), (xa.shape[0], xb.shape[0]))
+    run = _Run(program, _scaled_inputs(first, second), set() if vmapped is None else vmapped)
+    return jnp.broadcast_to(run.value(), (xa.shape[0], xb.shape[0]))
+
+
+class _Run:
+    """One evaluation of a kernel's program on a block, as the rules see it. ``vmapped`` collects the equations
+    vmapped on values of both points; ``given`` maps equations (by id) to the outputs a tail probe gives them."""
+
+    def __init__(self, program, inputs, vmapped, given=None):
+        self.program, self.inputs, self.vmapped, self.given = program, inputs, vmapped, given or {}
+
+    def value(self):
+        """The block, [B, N] with B in {1, b} and N in {1, n}."""
+        (out,) = _run(self.program.jaxpr, self.program.consts, self.inputs, self)
+        return _dense(_evaluated(out))
+
+    def tail(self, eqn):
+        """The kernel's value as a function of the output of ``eqn`` (a scalar), the program run again with that
+        output given; None where the value depends on the points otherwise too."""
+
+        def value(out):
+            return _Run(self.program, self.inputs, set(), {**self.given, id(eqn): [out.reshape(1, 1)]}).value()
+
+        if jax.eval_shape(value, jax.ShapeDtypeStruct((), eqn.outvars[0].aval.dtype)).shape != (1, 1):
+            return None
+        return lambda out: value(out)[0, 0]
 
 
 _CALLS = ("pjit", "jit", "closed_call")  # run inline, so that their equations meet the rules
 
 
-def _run(jaxpr, consts, args, vmapped):
+def _run(jaxpr, consts, args, run):
     """Evaluate ``jaxpr`` on block values: the loop of JAX's "Writing custom interpreters"."""
     env = {}
 
@@ -561,6 +590,9 @@ def _run(jaxpr, consts, args, vmapped):
     env.update(zip(jaxpr.invars, args, strict=True))
     done = {}  # equation key -> (its arguments, kept alive so that their ids stay theirs; its outputs)
     for eqn in jaxpr.eqns:
+        if id(eqn) in run.given:
+            env.update(zip(eqn.outvars, run.given[id(eqn)], strict=True))
+            continue
         args = [read(var) for var in eqn.invars]
         key = _equation_key(eqn, args)
         if key in done:  # computed before (GPJax's softplus of its lengthscale, twice): the same values
@@ -569,16 +601,16 @@ def _run(jaxpr, consts, args, vmapped):
         if eqn.primitive.name in _CALLS:
             inner = eqn.params.get("jaxpr") or eqn.params["call_jaxpr"]
             inner = inner if isinstance(inner, jax.extend.core.ClosedJaxpr) else jax.extend.core.ClosedJaxpr(inner, [])
-            outs = _run(inner.jaxpr, inner.consts, args, vmapped)
+            outs = _run(inner.jaxpr, inner.consts, args, run)
         else:
             outs = _scaling_rule(eqn, args)
             if outs is None:
                 args = [_evaluated(a) for a in args]
                 rule = _RULES.get(eqn.primitive.name)
-                outs = rule(eqn, args) if rule else None
+                outs = rule(eqn, args, run) if rule else None
         if outs is None:
             if any(_of_both([a]) for a in args):  # an argument of both points: vmapped on pairs
-                vmapped.add(eqn.primitive.name)
+                run.vmapped.add(eqn.primitive.name)
             outs = _by_vmap(eqn, args)
         if key is not None:
             done[key] = (args, outs)
@@ -645,11 +677,11 @@ def _broadcast_elementwise(eqn, args):
     return _bind(eqn, [jnp.broadcast_to(a, common) for a in args])
 
 
-def _split_sum(eqn, args):
+def _split_sum(eqn, args, run):
     """``reduce_sum`` of a _Split: a sum of [b, n] arrays; of a _Looped: their sum in a loop."""
     (a,) = args
     if isinstance(a, _Looped):
-        return [_sum_of_squares(a.size, a.square_of, a.feature)]
+        return [_sum_of_squares(eqn, run, a.size, a.square_of, a.feature)]
     if not isinstance(a, _Split):
         return None
     total = np.sum(a.parts, axis=tuple(eqn.params["axes"]))
@@ -658,7 +690,7 @@ def _split_sum(eqn, args):
     return [total]
 
 
-def _split_dot(eqn, args):
+def _split_dot(eqn, args, run):
     """A dot of two float vectors, one of them a _Split or _Looped: the sum of their products."""
     (contract, batch), out = eqn.params["dimension_numbers"], eqn.outvars[0].aval
     inputs = [var.aval for var in eqn.invars]
@@ -670,14 +702,14 @@ def _split_dot(eqn, args):
     if not any(isinstance(a, _Split) for a in args):
         size = inputs[0].shape[0]
         if x is y:
-            return [_sum_of_squares(size, getattr(x, "difference", None), _squared(_features_of(x)))]
+            return [_sum_of_squares(eqn, run, size, getattr(x, "difference", None), _squared(_features_of(x)))]
         x, y = _features_of(x), _features_of(y)
         return [_looped_sum(size, lambda i: x(i) * y(i))]
     return [sum(_feature(x, (d,)) * _feature(y, (d,)) for d in range(inputs[0].shape[0]))]
 
 
 _RULES = {  # primitive name -> rule(eqn, block values) -> outputs, or None: vmap the equation
-    **dict.fromkeys(_ELEMENTWISE, _elementwise),
+    **dict.fromkeys(_ELEMENTWISE, lambda eqn, args, run: _elementwise(eqn, args)),
     "reduce_sum": _split_sum,
     "dot_general": _split_dot,
 }
@@ -720,14 +752,93 @@ def _squared(feature):
     return lambda i: jax.lax.integer_pow(feature(i), 2)
 
 
-def _sum_of_squares(size, square_of, feature):
-    """The sum of ``feature(i)``, i < size: by the GEMM where it is the square of ``steps(x - y)`` (``square_of``,
-    the two _Scaled points) over GEMM_FEATURES_MIN or more float32 or float64 features, else in a loop."""
+def _sum_of_squares(eqn, run, size, square_of, feature):
+    """The sum of ``feature(i)``, i < size, the output of ``eqn``. Where it is the square of ``steps(x - y)``
+    (``square_of``, the two _Scaled points): from GEMM_FEATURES_MIN features by the GEMM (_squared_distance); of
+    float32 points from WIDE_GEMM_FEATURES_MIN features by the float64 GEMM, if the kernel's value is a function
+    of this sum alone (below GEMM_FEATURES_MIN, and where the GEMM falls back). Else in a loop."""
     exact = functools.partial(_looped_sum, size, feature)
     dtype = None if square_of is None else square_of[0].point.dtype
+    if dtype == jnp.float32 and size >= WIDE_GEMM_FEATURES_MIN and not run.given and _float64_in_traces():
+        tail = run.tail(eqn)
+        if tail is not None:
+            exact = functools.partial(_wide_squared_distance, *square_of, exact, tail)
+            if size < GEMM_FEATURES_MIN:
+                return exact()
     if size < GEMM_FEATURES_MIN or dtype not in (jnp.float32, jnp.float64):
         return exact()
     return _squared_distance(*square_of, exact)
+
+
+def _rows_and_columns(first, second):
+    """The two _Scaled points of a block as (the one of rows [b, 1, D], the one of columns [1, n, D])."""
+    row_first = first.point.shape[1] == 1 and second.point.shape[0] == 1
+    return (first, second) if row_first else (second, first)
+
+
+def _wide_squared_distance(first, second, exact, tail):
+    """|steps(x - y)|^2 of float32 points for every pair of a block, by the GEMM ``|a|^2 + |b|^2 - 2 a.b`` in
+    float64 on the points converted, then centred and scaled, rounded to float32; ``exact()`` (the loop) where
+    the kernel, ``tail(d^2)``, cannot take that GEMM's error (under ``vmap``, both run).
+
+    The float64 d^2 errs by at most delta = (D + 3) eps64 (max|a| + max|b|)^2 (the largest norms of the block's
+    rows and columns): one bound for every pair. A d^2 within 2 delta of zero is zero (a duplicate point, for
+    all the GEMM can tell; its gradient is kept), which leaves its K exactly the vmap form's. The block takes the
+    GEMM where delta is at most (16 eps32)^2 and ``_takes_error(tail, delta)``.
+    """
+    rows, cols = _rows_and_columns(first, second)
+    x, y = rows.point[:, 0], cols.point[0]  # [b, D] and [n, D]
+    with _float64():
+        x, y = (jax.lax.convert_element_type(p, jnp.float64) for p in (x, y))
+        centre = jax.lax.stop_gradient((jnp.sum(x, 0) + jnp.sum(y, 0)) / (x.shape[0] + y.shape[0]))
+        a, b = rows.scaling(x[:, None] - centre)[:, 0], cols.scaling(y[None] - centre)[0]
+        norms_a, norms_b = jnp.sum(a * a, 1), jnp.sum(b * b, 1)
+        # The gradient stops before the reductions: transposed after this context, they would mix dtypes.
+        reach = jnp.sqrt(jnp.max(jax.lax.stop_gradient(norms_a))) + jnp.sqrt(jnp.max(jax.lax.stop_gradient(norms_b)))
+        delta = (x.shape[1] + 3) * float(jnp.finfo(jnp.float64).eps) * reach * reach
+    eps = float(jnp.finfo(jnp.float32).eps)
+    vouched = (delta <= (16 * eps) ** 2) & _takes_error(tail, delta.astype(jnp.float32))
+
+    def by_gemm():
+        with _float64():
+            # lax.dot_general, not jnp.matmul: its transpose in reverse mode stays float64 after this context
+            squared = norms_a[:, None] + norms_b[None] - 2 * jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())))
+            squared = jax.lax.convert_element_type(squared, jnp.float32)  # first: XLA then fuses it into the GEMM
+        zero = squared <= 2 * delta.astype(jnp.float32)
+        return jnp.where(zero, squared - jax.lax.stop_gradient(squared), squared)
+
+    return jax.lax.cond(vouched, by_gemm, jax.checkpoint(exact))
+
+
+def _takes_error(tail, delta):
+    """Whether ``tail`` (the kernel as a function of d^2) moves by at most 16 eps of itself, and its derivative (the
+    gradient's factor) by at most 16 eps of itself, when d^2 errs by ``delta``: judged to first order where
+    the tails of stationary kernels are most sensitive, near zero: at 2 delta (the least d^2 not taken as zero)
+    and at 4 delta / eps (from there on, delta is within d^2's own float32 rounding, as in the direct sum).
+
+    RBF, Matern 3/2 and 5/2 pass while delta is small; Matern 1/2 (a square root of d^2) never does: its
+    derivative moves by half at 2 delta."""
+    eps = jnp.finfo(delta.dtype).eps
+
+    def derivatives(at):
+        with_slope = lambda at: jax.jvp(tail, (at,), (jnp.ones_like(at),))  # noqa: E731
+        (value, slope), (_, curvature) = jax.jvp(with_slope, (at,), (jnp.ones_like(at),))
+        return value, slope, curvature
+
+    value, slope, curvature = jax.vmap(derivatives)(jnp.stack([2 * delta, 4 * delta / eps]))
+    value_moved, slope_moved = jnp.abs(slope) * delta, jnp.abs(curvature) * delta
+    return jnp.all((value_moved <= 16 * eps * jnp.abs(value)) & (slope_moved <= 16 * eps * jnp.abs(slope)))
+
+
+def _float64_in_traces():
+    """Whether float64 values can be made in a trace, x64 on or off: from JAX 0.8 (before, x64 switched on inside
+    a trace failed to lower; older JAX keeps the forms without the float64 GEMM)."""
+    return hasattr(jax, "enable_x64") and _JAX_VERSION >= (0, 8)
+
+
+def _float64():
+    """A context in which float64 values can be made."""
+    return contextlib.nullcontext() if jax.config.jax_enable_x64 else jax.enable_x64(True)
 
 
 def _squared_distance(first, second, exact):
@@ -739,8 +850,7 @@ def _squared_distance(first, second, exact):
     that it cannot vouch for (a duplicate point, say) is recomputed directly; a block with a row with more
     falls back to ``exact()`` (under ``vmap``, both run).
     """
-    row_first = first.point.shape[1] == 1 and second.point.shape[0] == 1  # points [b, 1, D] and [1, n, D]
-    rows, cols = (first, second) if row_first else (second, first)
+    rows, cols = _rows_and_columns(first, second)
     x, y = rows.point[:, 0], cols.point[0]  # [b, D] and [n, D]
     centre = (jnp.sum(x, 0) + jnp.sum(y, 0)) / (x.shape[0] + y.shape[0])
     a, b = rows.scaling(rows.point - centre)[:, 0], cols.scaling(cols.point - centre)[0]
@@ -759,9 +869,23 @@ def _squared_distance(first, second, exact):
 
 def _looped_sum(size, feature):
     """The sum of ``feature(i)``, i < size, added one [b, n] array at a time. The loop's body is
-    rematerialised, so that reverse mode recomputes each feature from the points, and stores none."""
-    add = jax.checkpoint(lambda i, total: total + feature(i))
-    return jax.lax.fori_loop(1, size, add, feature(0))
+    rematerialised, so that reverse mode recomputes each feature from the points, and stores none.
+
+    Past 4 terms the sum is compensated (Kahan's): added one after another, its error bound, (size - 1) eps of the
+    terms' sum, grows past a pairwise sum's (XLA's reductions), and a large d^2 (every pair far apart) carries
+    its relative error into K's. The compensation is no part of the derivative, which is the plain sum's.
+    """
+    if size <= 4:
+        return jax.lax.fori_loop(1, size, jax.checkpoint(lambda i, total: total + feature(i)), feature(0))
+
+    def add(i, carry):
+        total, compensation = carry
+        term = feature(i) - compensation
+        new = total + term
+        return new, jax.lax.stop_gradient((new - total) - term)
+
+    first = feature(0)
+    return jax.lax.fori_loop(1, size, jax.checkpoint(add), (first, jnp.zeros_like(first)))[0]
 
 
 def _dense(a):
@@ -819,6 +943,8 @@ class _Scaled:
     def scaling(self, value):
         """The steps, applied to a block value as the kernel's program applies them."""
         for eqn, other, position in self.steps:
+            if other is not None and getattr(value, "dtype", other.dtype) != other.dtype:  # float64: the wide GEMM
+                other = jax.lax.convert_element_type(other, value.dtype)
             (value,) = _elementwise(eqn, [value] if other is None else [other, value][:: 2 * position - 1])
         return value
 

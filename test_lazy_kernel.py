@@ -10,6 +10,7 @@
 - Memory: XLA's own accounting of the compiled programs.
 """
 
+import contextlib
 import functools
 import os
 import socket
@@ -582,8 +583,8 @@ def memory_kernel(name, dim):
     return gpjax.kernels.Matern52(lengthscale=jnp.float32(0.7))
 
 
-MEMORY_CASES = [  # (kernel, D): every kind, D from 1 to 256; the pair program split (D <= 2), looped, by GEMM (128)
-    *[("pair", d) for d in (1, 3, 128)],
+MEMORY_CASES = [  # (kernel, D): every kind, D from 1 to 256; the pair program split (D <= 2), looped, by the float64
+    *[("pair", d) for d in (1, 3, 16, 128)],  # GEMM (16, 64), by GEMM (128)
     *[("partial", d) for d in (17, 256)],
     ("many", 2),
     ("rbf", 2),
@@ -1144,6 +1145,45 @@ def test_squared_distances_take_the_gemm_from_gemm_features_min(dim, monkeypatch
         assert len(calls) == (dim >= lazy_kernel.GEMM_FEATURES_MIN), kernel
 
 
+@pytest.mark.parametrize("x64", [True, False])
+def test_float32_distances_take_the_float64_gemm_where_the_kernel_takes_its_error(x64, monkeypatch, device):
+    """From WIDE_GEMM_FEATURES_MIN features, with x64 on or off: blocks of RBFs and Matern 5/2 on float32 points
+    near the origin come from the float64 GEMM (the loop, made NaN here, is not taken) and match the dense
+    matrix; points 10^5 lengthscales out, and Matern 1/2 (whose derivative a d^2 error moves most), take the loop."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the pair program runs on CPU")
+    if not lazy_kernel._float64_in_traces():
+        pytest.skip("the float64 GEMM runs from JAX 0.8")
+    monkeypatch.setattr(lazy_kernel, "_looped_sum", lambda size, feature: jnp.full_like(feature(0), jnp.nan))
+    dim = lazy_kernel.WIDE_GEMM_FEATURES_MIN
+    ls = np.linspace(0.5, 1.5, dim).astype(np.float32)
+    rng = np.random.default_rng(3)
+    x1, x2 = (rng.normal(size=(n, dim)).astype(np.float32) for n in (9, 7))
+    x2[:3] = x1[:3]
+    rbf = lambda x, y: np.exp(-0.5 * np.sum(((x - y) / ls) ** 2))  # noqa: E731
+
+    def matern52(x, y):
+        s = np.sqrt(5 * np.sum(((x - y) / ls) ** 2))
+        return (1 + s + s * s / 3) * np.exp(-s)
+
+    def matern52_jnp(x, y):
+        s = jnp.sqrt(5 * jnp.maximum(jnp.sum(((x - y) / ls) ** 2), 1e-36))
+        return (1 + s + s * s / 3) * jnp.exp(-s)
+
+    kernels = {
+        "RBF": (RBF(jnp.asarray(ls)), rbf),
+        "pair RBF": (lambda x, y: jnp.exp(-0.5 * jnp.dot((x - y) / ls, (x - y) / ls)), rbf),
+        "pair Matern52": (matern52_jnp, matern52),
+    }
+    matern12 = lambda x, y: jnp.exp(-jnp.sqrt(jnp.maximum(jnp.sum(((x - y) / ls) ** 2), 1e-36)))  # noqa: E731
+    with x64_switched(x64):
+        for name, (kernel, twin) in kernels.items():
+            block = jax.jit(functools.partial(kernel_block, kernel))
+            assert_close(block(x1, x2), dense_oracle(twin, x1, x2), jnp.float32, scale=1.0)
+            assert np.all(np.isnan(block(x1 + 1e5 * ls, x2))), name  # d^2 ~ 1e10: too far for the GEMM's error
+        assert np.all(np.isnan(jax.jit(functools.partial(kernel_block, matern12))(x1, x2)))
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
 def test_gemm_blocks_match_the_dense_matrix(dtype, device):
     """At GEMM_FEATURES_MIN features: both products, the transpose and gradients (points, lengthscales) against
@@ -1394,6 +1434,10 @@ def accuracy_kernels():
         "rbf-pair": (lambda ls: lambda x, y: jnp.exp(-0.5 * jnp.sum(((x - y) / ls) ** 2)), rbf),
         "rbf-pair-scaling-points": (lambda ls: lambda x, y: jnp.exp(-0.5 * jnp.sum((x / ls - y / ls) ** 2)), rbf),
         "laplace-pair": (lambda ls: lambda x, y: jnp.exp(-jnp.sum(jnp.abs(x - y) / ls)), laplace),
+        "matern12-pair": (  # as GPJax writes it, d^2 kept off zero: a square root without a derivative there
+            lambda ls: lambda x, y: jnp.exp(-jnp.sqrt(jnp.maximum(jnp.sum(((x - y) / ls) ** 2), 1e-36))),
+            matern12,
+        ),
         "gpjax-RBF": (gpjax("RBF"), rbf),
         "gpjax-Matern12": (gpjax("Matern12"), matern12),
         "gpjax-Matern52": (gpjax("Matern52"), matern52),
@@ -1403,8 +1447,12 @@ def accuracy_kernels():
 ACCURACY_KERNELS = accuracy_kernels()
 
 
+FAR_APART = "every pair far apart"
+
+
 def accuracy_data(rng, dim, ls):
-    """name -> (x1 [24, D], x2 [20, D]): x2[:6] = x1[:6] (distance zero), x2[6:12] 1e-3 lengthscales from x1[6:12]."""
+    """name -> (x1 [24, D], x2 [20, D]): x2[:6] = x1[:6] (distance zero), x2[6:12] 1e-3 lengthscales from x1[6:12];
+    but in FAR_APART, x2[j] 11 lengthscales from x1[j] and every other pair further (K tiny everywhere)."""
     data = {}
     for name, centre, spread in (
         ("1 lengthscale apart", 0, 1 / np.sqrt(dim)),  # K of order 1 for every pair
@@ -1422,18 +1470,39 @@ def accuracy_data(rng, dim, ls):
     for x1, x2 in data.values():
         x2[:6] = x1[:6]
         x2[6:12] = x1[6:12] + 1e-3 * ls * rng.normal(size=(6, dim)) / np.sqrt(dim)
+    x1 = 1000 * ls * rng.normal(size=(24, dim))
+    directions = rng.normal(size=(20, dim))
+    data[FAR_APART] = (x1, x1[:20] + 11 * ls * directions / np.linalg.norm(directions, axis=1, keepdims=True))
     return data
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
-@pytest.mark.parametrize("dim", [1, 3, 256])  # written out; looped; by GEMM (looped where it falls back)
+def x64_switched(on):
+    """A context with JAX's x64 flag ``on`` (the tests run with it on)."""
+    if on:
+        return contextlib.nullcontext()
+    return jax.enable_x64(False) if hasattr(jax, "enable_x64") else jax.experimental.disable_x64()
+
+
+ACCURACY_CASES = [  # (D, dtype, x64): features written out; looped; by the float64 GEMM (float32) or looped; by GEMM
+    *[(dim, dtype, True) for dim in (1, 3) for dtype in (jnp.float32, jnp.float64)],
+    (16, jnp.float32, True),
+    (16, jnp.float32, False),
+    (16, jnp.float64, True),
+    (256, jnp.float32, True),
+    (256, jnp.float64, True),
+]
+
+
+@pytest.mark.parametrize("dim, dtype, x64", ACCURACY_CASES)
 @pytest.mark.parametrize("name", sorted(ACCURACY_KERNELS))
-def test_as_accurate_as_the_vmap_form(name, dim, dtype):
+def test_as_accurate_as_the_vmap_form(name, dim, dtype, x64):
     """Values and gradients (points, lengthscales) of ``LazyKernel`` against np.longdouble: worst error <= 4x the
     vmap form's + 16 eps of the scale (max|K|; for a gradient, the largest sum of absolute terms of one component).
 
     Data spread over 1 to 1000 lengthscales, far from the origin and in tight clusters, each with pairs at
-    distance zero, where each value must be the vmap form's or nearer the truth, and near-duplicates.
+    distance zero, where each value must be the vmap form's or nearer the truth, and near-duplicates (whose
+    gradients a reverse pass dropped to float32 would miss); and data whose every pair is far apart. Float32
+    points with x64 on and off (distances in float64 either way, from D = 16).
     """
     make, exact = ACCURACY_KERNELS[name]
     eps = float(jnp.finfo(dtype).eps)
@@ -1441,7 +1510,7 @@ def test_as_accurate_as_the_vmap_form(name, dim, dtype):
     ls_wide = np.linspace(0.5, 1.5, dim) if name != "laplace-pair" else np.array(0.8)
     ls = np.asarray(ls_wide, dtype)
     weights = rng.normal(size=(24, 20))
-    if name == "gpjax-Matern12":  # no derivative at distance zero, and XLA's float32 division is not correctly
+    if "matern12" in name.lower():  # no derivative at distance zero, and XLA's float32 division is not correctly
         weights[np.arange(6), np.arange(6)] = 0  # rounded: x / ls and y / ls of one point can differ there
 
     def forms(ls, x1, x2):
@@ -1453,7 +1522,7 @@ def test_as_accurate_as_the_vmap_form(name, dim, dtype):
     forms = jax.jit(forms)
     for data, (x1, x2) in accuracy_data(rng, dim, ls_wide).items():
         x1, x2 = np.asarray(x1, dtype), np.asarray(x2, dtype)
-        with as_users_compile():  # rounding is the point: compiled as users' programs are
+        with as_users_compile(), x64_switched(x64):  # rounding is the point: compiled as users' programs are
             (fast, fast_grads), (vmapped, vmapped_grads) = forms(jnp.asarray(ls), jnp.asarray(x1), jnp.asarray(x2))
         wide = [a.astype(np.longdouble) for a in (x1, x2, ls)]
         oracle, dk_dx, dk_dls = exact(wide[0][:, None], wide[1][None], wide[2])
@@ -1463,9 +1532,9 @@ def test_as_accurate_as_the_vmap_form(name, dim, dtype):
             assert fast_error <= 4 * vmap_error + 16 * eps * scale, (data, what, fast_error, vmap_error, scale)
 
         check("K", fast, vmapped, oracle, np.abs(oracle).max())
-        at_zero = (np.diag(np.asarray(a)[:6, :6]) for a in (fast, vmapped, oracle))  # no further from the truth
-        fast_zero, vmapped_zero, oracle_zero = at_zero
-        assert np.all(np.abs(fast_zero - oracle_zero) <= np.abs(vmapped_zero - oracle_zero)), (data, fast_zero)
+        if data != FAR_APART:  # at distance zero, no further from the truth than the vmap form
+            fast_zero, vmapped_zero, oracle_zero = (np.diag(np.asarray(a)[:6, :6]) for a in (fast, vmapped, oracle))
+            assert np.all(np.abs(fast_zero - oracle_zero) <= np.abs(vmapped_zero - oracle_zero)), (data, fast_zero)
         if dk_dx is None:
             continue
         by_point, by_ls = (weights[:, :, None] * a for a in (dk_dx, dk_dls))  # weighted terms of each pair, [24, 20, D]
