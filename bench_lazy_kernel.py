@@ -358,9 +358,7 @@ def gemm_table(n, gpjax):
     print("## and 898), ratios to the inexact GEMM RBF in the same run; pairs per row the GEMM cannot vouch for\n")
     print("| data | kernel | GEMM: K @ v, gradient | loop: K @ v, gradient | unvouched pairs per row |")
     print("|---|---|---|---|---|")
-    made = {"lazy_kernel.RBF": lambda ls: RBF(ls, jnp.float32(1.3))}
-    if gpjax is not None:
-        made["GPJax Matern52"] = lambda ls: gpjax.kernels.Matern52(lengthscale=ls, variance=1.3)
+    made = rbf_and_matern52(gpjax)
     rng = np.random.default_rng(0)
     data = {f"random, D = {dim}": rng.normal(size=(n if dim < 256 else n // 2, dim)) for dim in (64, 128, 256)}
     try:
@@ -374,27 +372,42 @@ def gemm_table(n, gpjax):
     for name, x in data.items():
         x, dim = jnp.asarray(x, jnp.float32), x.shape[1]
         v, ls = jnp.asarray(rng.normal(size=len(x)), jnp.float32), lengthscales(dim)
-        makes = [GemmRBF] + [make for make in made.values() for _ in ("GEMM", "loop")]
-        switches = [{}] + [{"GEMM_FEATURES_MIN": dim + loop} for _ in made for loop in (0, 1)]
-        full, half = (ls, x, v), (ls, x[: len(x) // 2], v[: len(x) // 2])
-        forward_s = median_times([traced_with(f, **s) for f, s in zip(products(makes), switches, strict=True)], full)
-        gradient_s = median_times([traced_with(g, **s) for g, s in zip(gradients(makes), switches, strict=True)], half)
-        ratio = [f"{f / forward_s[0]:.2f}, {g / gradient_s[0]:.2f}" for f, g in zip(forward_s, gradient_s, strict=True)]
-        for i, kernel in enumerate(made):
-            print(f"| {name} | {kernel} | {ratio[1 + 2 * i]} | {ratio[2 + 2 * i]} | {unvouched_per_row(x, ls):.2f} |")
+        switches = [{"GEMM_FEATURES_MIN": dim + loop} for loop in (0, 1)]
+        for kernel, (gemm, loop) in switched_ratios(made, switches, ls, x, v).items():
+            print(f"| {name} | {kernel} | {gemm} | {loop} | {unvouched_per_row(x, ls):.2f} |", flush=True)
+
+
+def rbf_and_matern52(gpjax):
+    """The kernels the tables of forms compare: lazy_kernel.RBF and, where installed, GPJax's Matern52."""
+    made = {"lazy_kernel.RBF": lambda ls: RBF(ls, jnp.float32(1.3))}
+    if gpjax is not None:
+        made["GPJax Matern52"] = lambda ls: gpjax.kernels.Matern52(lengthscale=ls, variance=1.3)
+    return made
+
+
+def switched_ratios(made, switches, ls, x, v):
+    """For each kernel made from lengthscales, under each of ``switches``: "K @ v, gradient" (on x, and on its first
+    half) as ratios to the inexact GEMM RBF's, timed in the same rounds."""
+    makes = [GemmRBF] + [make for make in made.values() for _ in switches]
+    settings = [{}] + [switch for _ in made for switch in switches]
+    half = (ls, x[: len(x) // 2], v[: len(x) // 2])
+    forward = median_times([traced_with(f, **s) for f, s in zip(products(makes), settings, strict=True)], (ls, x, v))
+    gradient = median_times([traced_with(g, **s) for g, s in zip(gradients(makes), settings, strict=True)], half)
+    cells = [f"{f / forward[0]:.2f}, {g / gradient[0]:.2f}" for f, g in zip(forward[1:], gradient[1:], strict=True)]
+    return {kernel: cells[i * len(switches) : (i + 1) * len(switches)] for i, kernel in enumerate(made)}
 
 
 def wide_table(n, gpjax):
     """Float32 distances by the float64 GEMM against the loop (and, from GEMM_FEATURES_MIN, the float32 GEMM), by
-    D, with x64 off and on; and a product under vmap over two sets of lengthscales (where lax.cond runs both)."""
+    D, with x64 off and on; float64 points by the loop against their GEMM; and a product under vmap over two sets
+    of lengthscales (where lax.cond runs both)."""
     print("\n## Float32 squared distances by the float64 GEMM (WIDE_GEMM_FEATURES_MIN moved below D) against the")
     print(f"## forms without it, float32: K @ v at M = N = {n} and the checkpointed gradient at {n // 2} (at D = 256")
-    print("## half of each), ratios to the inexact GEMM RBF in the same run; each cell: float64 GEMM, without\n")
-    print("| x64 | D | kernel | K @ v | gradient |")
+    print("## half of each), ratios to the inexact GEMM RBF in the same run\n")
+    print("| x64 | D | kernel | float64 GEMM: K @ v, gradient | without: K @ v, gradient |")
     print("|---|---|---|---|---|")
-    made = {"lazy_kernel.RBF": lambda ls: RBF(ls, jnp.float32(1.3))}
-    if gpjax is not None:
-        made["GPJax Matern52"] = lambda ls: gpjax.kernels.Matern52(lengthscale=ls, variance=1.3)
+    made = rbf_and_matern52(gpjax)
+    switches = [{"WIDE_GEMM_FEATURES_MIN": minimum} for minimum in (1, 10**9)]
     for x64 in (False, True):
         jax.config.update("jax_enable_x64", x64)
         for dim in (4, 8, 16, 64, 256):
@@ -402,29 +415,31 @@ def wide_table(n, gpjax):
             size = n if dim < 256 else n // 2
             x = jnp.asarray(rng.normal(size=(size, dim)), jnp.float32)
             v, ls = jnp.asarray(rng.normal(size=size), jnp.float32), lengthscales(dim)
-            makes = [GemmRBF] + [make for make in made.values() for _ in (0, 1)]
-            switches = [{}] + [{"WIDE_GEMM_FEATURES_MIN": 1 if wide else 10**9} for _ in made for wide in (1, 0)]
-            full, half = (ls, x, v), (ls, x[: size // 2], v[: size // 2])
-            forward = median_times([traced_with(f, **s) for f, s in zip(products(makes), switches, strict=True)], full)
-            gradient = median_times(
-                [traced_with(g, **s) for g, s in zip(gradients(makes), switches, strict=True)], half
-            )
-            for i, kernel in enumerate(made):
-                cells = [f"{t[1 + 2 * i] / t[0]:.2f}, {t[2 + 2 * i] / t[0]:.2f}" for t in (forward, gradient)]
-                print(f"| {'on' if x64 else 'off'} | {dim} | {kernel} | {' | '.join(cells)} |", flush=True)
+            for kernel, (wide, without) in switched_ratios(made, switches, ls, x, v).items():
+                print(f"| {'on' if x64 else 'off'} | {dim} | {kernel} | {wide} | {without} |", flush=True)
+        if x64:  # float64 points: the loop below GEMM_FEATURES_MIN, against their GEMM (with repair) there
+            for dim in (16, 64):
+                x = jnp.asarray(np.random.default_rng(0).normal(size=(n, dim)))
+                v, ls = jnp.ones(n), lengthscales(dim).astype(jnp.float64)
+                gemm = [{"GEMM_FEATURES_MIN": minimum} for minimum in (1, 10**9)]
+                for kernel, (by_gemm, loop) in switched_ratios(made, gemm, ls, x, v).items():
+                    print(f"| on, float64 points | {dim} | {kernel} | GEMM {by_gemm} | loop {loop} |", flush=True)
     jax.config.update("jax_enable_x64", False)
-    dim, rng = 16, np.random.default_rng(0)
-    x = jnp.asarray(rng.normal(size=(n // 2, dim)), jnp.float32)
-    v, ls = jnp.asarray(rng.normal(size=n // 2), jnp.float32), jnp.stack([lengthscales(dim), 2 * lengthscales(dim)])
-    batched = [jax.vmap(f, (0, None, None)) for f in products([lambda ls: RBF(ls, jnp.float32(1.3))] * 2)]
-    single = products([lambda ls: RBF(ls, jnp.float32(1.3))] * 2)
-    switches = [{"WIDE_GEMM_FEATURES_MIN": m} for m in (1, 10**9)]
-    seconds = median_times(
-        [traced_with(f, **s) for f, s in zip(batched + single, switches * 2, strict=True)], (ls, x, v)
-    )
-    seconds[2:] = median_times([traced_with(f, **s) for f, s in zip(single, switches, strict=True)], (ls[0], x, v))
-    print(f"\nD = 16, M = N = {n // 2}, RBF: vmap over 2 lengthscale sets {seconds[0] * 1e3:.0f} ms (float64 GEMM) and")
-    print(f"{seconds[1] * 1e3:.0f} ms (loop); one set {seconds[2] * 1e3:.0f} ms and {seconds[3] * 1e3:.0f} ms")
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(n // 2, 16)), jnp.float32)
+    v, ls = jnp.asarray(rng.normal(size=n // 2), jnp.float32), jnp.stack([lengthscales(16), 2 * lengthscales(16)])
+    (rbf,) = products([lambda ls: RBF(ls, jnp.float32(1.3))])
+    for name, f, args in (
+        ("vmap over 2 sets of lengthscales", jax.vmap(rbf, (0, None, None)), (ls, x, v)),
+        ("one set", rbf, (ls[0], x, v)),
+    ):
+        wide, without = median_times([traced_with(f, **s) for s in switches], args)
+        print(
+            f"\nD = 16, M = N = {n // 2}, RBF, {name}: {wide * 1e3:.0f} ms by the float64 GEMM, "
+            f"{without * 1e3:.0f} ms without",
+            end="",
+        )
+    print()
 
 
 def machine():

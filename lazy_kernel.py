@@ -563,15 +563,13 @@ class _Run:
         return _dense(_evaluated(out))
 
     def tail(self, eqn):
-        """The kernel's value as a function of the output of ``eqn`` (a scalar), the program run again with that
-        output given; None where the value depends on the points otherwise too."""
-
-        def value(out):
-            return _Run(self.program, self.inputs, set(), {**self.given, id(eqn): [out.reshape(1, 1)]}).value()
-
-        if jax.eval_shape(value, jax.ShapeDtypeStruct((), eqn.outvars[0].aval.dtype)).shape != (1, 1):
-            return None
-        return lambda out: value(out)[0, 0]
+        """The kernel's value as a function of the output of ``eqn`` alone (a scalar), the program run again with
+        that output given, in float64 (see _in_float64); None where the value depends on the points otherwise
+        too, or where its program does not run in float64."""
+        given = lambda out: {**self.given, id(eqn): [out.reshape(1, 1)]}  # noqa: E731
+        program = jax.make_jaxpr(lambda out: _Run(self.program, self.inputs, set(), given(out)).value())
+        program = program(jnp.zeros((), eqn.outvars[0].aval.dtype))
+        return _in_float64(program) if program.out_avals[0].shape == (1, 1) else None
 
 
 _CALLS = ("pjit", "jit", "closed_call")  # run inline, so that their equations meet the rules
@@ -599,8 +597,7 @@ def _run(jaxpr, consts, args, run):
             env.update(zip(eqn.outvars, done[key][1], strict=True))
             continue
         if eqn.primitive.name in _CALLS:
-            inner = eqn.params.get("jaxpr") or eqn.params["call_jaxpr"]
-            inner = inner if isinstance(inner, jax.extend.core.ClosedJaxpr) else jax.extend.core.ClosedJaxpr(inner, [])
+            inner = _called(eqn)
             outs = _run(inner.jaxpr, inner.consts, args, run)
         else:
             outs = _scaling_rule(eqn, args)
@@ -616,6 +613,12 @@ def _run(jaxpr, consts, args, run):
             done[key] = (args, outs)
         env.update(zip(eqn.outvars, outs, strict=True))
     return [read(var) for var in jaxpr.outvars]
+
+
+def _called(eqn):
+    """The ClosedJaxpr that a call equation (one of _CALLS) runs."""
+    inner = eqn.params.get("jaxpr") or eqn.params["call_jaxpr"]
+    return inner if isinstance(inner, jax.extend.core.ClosedJaxpr) else jax.extend.core.ClosedJaxpr(inner, [])
 
 
 def _equation_key(eqn, args):
@@ -796,8 +799,8 @@ def _wide_squared_distance(first, second, exact, tail):
         # The gradient stops before the reductions: transposed after this context, they would mix dtypes.
         reach = jnp.sqrt(jnp.max(jax.lax.stop_gradient(norms_a))) + jnp.sqrt(jnp.max(jax.lax.stop_gradient(norms_b)))
         delta = (x.shape[1] + 3) * float(jnp.finfo(jnp.float64).eps) * reach * reach
-    eps = float(jnp.finfo(jnp.float32).eps)
-    vouched = (delta <= (16 * eps) ** 2) & _takes_error(tail, delta.astype(jnp.float32))
+        eps = float(jnp.finfo(jnp.float32).eps)
+        vouched = (delta <= (16 * eps) ** 2) & _takes_error(tail, delta, eps)
 
     def by_gemm():
         with _float64():
@@ -810,15 +813,15 @@ def _wide_squared_distance(first, second, exact, tail):
     return jax.lax.cond(vouched, by_gemm, jax.checkpoint(exact))
 
 
-def _takes_error(tail, delta):
-    """Whether ``tail`` (the kernel as a function of d^2) moves by at most 16 eps of itself, and its derivative (the
-    gradient's factor) by at most 16 eps of itself, when d^2 errs by ``delta``: judged to first order where
-    the tails of stationary kernels are most sensitive, near zero: at 2 delta (the least d^2 not taken as zero)
-    and at 4 delta / eps (from there on, delta is within d^2's own float32 rounding, as in the direct sum).
+def _takes_error(tail, delta, eps):
+    """Whether ``tail`` (the kernel as a function of d^2, in float64) moves by at most 16 eps of itself, and its
+    derivative (the gradient's factor) by at most 16 eps of itself, when d^2 errs by ``delta``: judged to first
+    order where the tails of stationary kernels are most sensitive, near zero: at 2 delta (the least d^2 not
+    taken as zero) and at 4 delta / eps (from there on, delta is within d^2's own float32 rounding, as in the
+    direct sum).
 
     RBF, Matern 3/2 and 5/2 pass while delta is small; Matern 1/2 (a square root of d^2) never does: its
     derivative moves by half at 2 delta."""
-    eps = jnp.finfo(delta.dtype).eps
 
     def derivatives(at):
         with_slope = lambda at: jax.jvp(tail, (at,), (jnp.ones_like(at),))  # noqa: E731
@@ -828,6 +831,45 @@ def _takes_error(tail, delta):
     value, slope, curvature = jax.vmap(derivatives)(jnp.stack([2 * delta, 4 * delta / eps]))
     value_moved, slope_moved = jnp.abs(slope) * delta, jnp.abs(curvature) * delta
     return jnp.all((value_moved <= 16 * eps * jnp.abs(value)) & (slope_moved <= 16 * eps * jnp.abs(slope)))
+
+
+def _in_float64(program):
+    """A ClosedJaxpr of one float32 scalar as a function run on float64 values (float32 constants, literals and
+    casts widened), to be called under _float64(); None where the program does not run so. In float32, a Matern
+    kernel's polynomial times exp cancels near zero, and its derivatives there were rounding noise."""
+    widened = lambda at: _run_widened(program.jaxpr, program.consts, [at])[0].reshape(())  # noqa: E731
+    try:
+        with _float64():
+            jax.eval_shape(widened, jax.ShapeDtypeStruct((), jnp.float64))
+    except Exception:  # a primitive that takes no float64 (the error differs by primitive): no float64 GEMM
+        return None
+    return widened
+
+
+def _run_widened(jaxpr, consts, args):
+    """Evaluate ``jaxpr`` with its float32 values float64 (see _in_float64)."""
+
+    def widened(value):
+        value = jax.lax.stop_gradient(jnp.asarray(value))  # a probe: no derivative reaches the kernel through it
+        return value.astype(jnp.float64) if value.dtype == jnp.float32 else value
+
+    def read(var):
+        return widened(var.val) if isinstance(var, jax.extend.core.Literal) else env[var]
+
+    env = dict(zip(jaxpr.constvars, map(widened, consts), strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    for eqn in jaxpr.eqns:
+        args = [read(var) for var in eqn.invars]
+        if eqn.primitive.name in _CALLS:
+            inner = _called(eqn)
+            outs = _run_widened(inner.jaxpr, inner.consts, args)
+        else:
+            params = dict(eqn.params)
+            if eqn.primitive.name == "convert_element_type" and params["new_dtype"] == jnp.float32:
+                params["new_dtype"] = jnp.dtype(jnp.float64)
+            outs = _bind(eqn, args, params)
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(var) for var in jaxpr.outvars]
 
 
 def _float64_in_traces():
@@ -899,8 +941,8 @@ def _dense(a):
     return jnp.stack(parts, axis=-1).reshape(lead + a.parts.shape)
 
 
-def _bind(eqn, args):
-    params = eqn.primitive.get_bind_params(eqn.params)
+def _bind(eqn, args, params=None):
+    params = eqn.primitive.get_bind_params(eqn.params if params is None else params)
     subfuns, params = params if isinstance(params, tuple) else ((), params)  # JAX < 0.5: (subfuns, params)
     out = eqn.primitive.bind(*subfuns, *args, **params)
     return out if eqn.primitive.multiple_results else [out]
@@ -1356,7 +1398,8 @@ def _peak_key(op, width, dtype):
     if kernel is None:
         kernel = str(_kernel_program(op))
     shapes = (_spec(op.x1), _spec(op.x2), width, jnp.dtype(dtype))
-    return (kernel, shapes, op.transposed, op.checkpoint, jax.default_backend(), PAIR_PROGRAM, SPLIT_FEATURES_MAX)
+    switches = (PAIR_PROGRAM, SPLIT_FEATURES_MAX, WIDE_GEMM_FEATURES_MIN, GEMM_FEATURES_MIN)
+    return (kernel, shapes, op.transposed, op.checkpoint, jax.default_backend(), switches)
 
 
 # --------------------------------------------------------------------------

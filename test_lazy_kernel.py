@@ -1145,6 +1145,45 @@ def test_squared_distances_take_the_gemm_from_gemm_features_min(dim, monkeypatch
         assert len(calls) == (dim >= lazy_kernel.GEMM_FEATURES_MIN), kernel
 
 
+@pytest.mark.parametrize("x64", [True, False])
+def test_float32_distances_take_the_float64_gemm_where_the_kernel_takes_its_error(x64, monkeypatch, device):
+    """From WIDE_GEMM_FEATURES_MIN features, with x64 on or off: blocks of RBFs and Matern 5/2 on float32 points
+    near the origin come from the float64 GEMM (the loop, made NaN here, is not taken) and match the dense
+    matrix; points 10^5 lengthscales out, and Matern 1/2 (whose derivative a d^2 error moves most), take the loop."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the pair program runs on CPU")
+    if not lazy_kernel._float64_in_traces():
+        pytest.skip("the float64 GEMM runs from JAX 0.8")
+    monkeypatch.setattr(lazy_kernel, "_looped_sum", lambda size, feature: jnp.full_like(feature(0), jnp.nan))
+    dim = lazy_kernel.WIDE_GEMM_FEATURES_MIN
+    ls = np.linspace(0.5, 1.5, dim).astype(np.float32)
+    rng = np.random.default_rng(3)
+    x1, x2 = (rng.normal(size=(n, dim)).astype(np.float32) for n in (9, 7))
+    x2[:3] = x1[:3]
+    rbf = lambda x, y: np.exp(-0.5 * np.sum(((x - y) / ls) ** 2))  # noqa: E731
+
+    def matern52(x, y):
+        s = np.sqrt(5 * np.sum(((x - y) / ls) ** 2))
+        return (1 + s + s * s / 3) * np.exp(-s)
+
+    def matern52_jnp(x, y):
+        s = jnp.sqrt(5 * jnp.maximum(jnp.sum(((x - y) / ls) ** 2), 1e-36))
+        return (1 + s + s * s / 3) * jnp.exp(-s)
+
+    kernels = {
+        "RBF": (RBF(jnp.asarray(ls)), rbf),
+        "pair RBF": (lambda x, y: jnp.exp(-0.5 * jnp.dot((x - y) / ls, (x - y) / ls)), rbf),
+        "pair Matern52": (matern52_jnp, matern52),
+    }
+    matern12 = lambda x, y: jnp.exp(-jnp.sqrt(jnp.maximum(jnp.sum(((x - y) / ls) ** 2), 1e-36)))  # noqa: E731
+    with x64_switched(x64):
+        for name, (kernel, twin) in kernels.items():
+            block = jax.jit(functools.partial(kernel_block, kernel))
+            assert_close(block(x1, x2), dense_oracle(twin, x1, x2), jnp.float32, scale=1.0)
+            assert np.all(np.isnan(block(x1 + 1e5 * ls, x2))), name  # d^2 ~ 1e10: too far for the GEMM's error
+        assert np.all(np.isnan(jax.jit(functools.partial(kernel_block, matern12))(x1, x2)))
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
 def test_gemm_blocks_match_the_dense_matrix(dtype, device):
     """At GEMM_FEATURES_MIN features: both products, the transpose and gradients (points, lengthscales) against
