@@ -7,7 +7,8 @@
     python bench_lazy_kernel.py --blocks 16384   # K @ v by block size; v @ K against K @ v by block kind
     python bench_lazy_kernel.py --gemm 8192      # squared distances by GEMM against the loop, D = 64 to 256
     python bench_lazy_kernel.py --wide 8192      # float32 distances by the float64 GEMM, by D, x64 off and on
-    python bench_lazy_kernel.py                  # all seven at those sizes
+    python bench_lazy_kernel.py --chunks 8192    # the loop over features by SUM_CHUNK
+    python bench_lazy_kernel.py                  # all eight at those sizes
 
 GPJax comes from the 'interop' extra. Everything a table compares runs in this
 one process on the same data (float32), timed round-robin so that load drifting
@@ -116,7 +117,7 @@ def ceiling(n, rows):
 
 
 def lengthscales(dim):
-    return jnp.linspace(0.5, 1.5, dim, dtype=jnp.float32) * np.sqrt(dim / 3)
+    return jnp.linspace(0.5, 1.5, dim, dtype=jnp.float32) * jnp.float32(np.sqrt(dim / 3))  # float32 with x64 on
 
 
 def products(makes):
@@ -442,6 +443,26 @@ def wide_table(n, gpjax):
     print()
 
 
+def chunks_table(n):
+    """The loop over features by SUM_CHUNK (one feature a step, or chunks summed pairwise), on Laplace and on RBF
+    with the float64 GEMM off: K @ v at M = N = n and the checkpointed gradient at n / 2."""
+    print(f"\n## The loop over features by SUM_CHUNK, float32: K @ v at M = N = {n}, the checkpointed gradient at")
+    print(f"## {n // 2}, ratios to the inexact GEMM RBF in the same run\n")
+    print("| D | kernel | one at a time | chunks of 2 | chunks of 4 | chunks of 8 |")
+    print("|---|---|---|---|---|---|")
+    made = {
+        "pair: Laplace": lambda ls: lambda x, y: jnp.exp(-jnp.sum(jnp.abs(x - y) / ls)),
+        "lazy_kernel.RBF": lambda ls: RBF(ls, jnp.float32(1.3)),
+    }
+    switches = [{"SUM_CHUNK": chunk, "WIDE_GEMM_FEATURES_MIN": 10**9} for chunk in (10**9, 2, 4, 8)]
+    for dim in (16, 64):
+        rng = np.random.default_rng(0)
+        x = jnp.asarray(rng.normal(size=(n, dim)), jnp.float32)
+        v = jnp.asarray(rng.normal(size=n), jnp.float32)
+        for kernel, cells in switched_ratios(made, switches, lengthscales(dim), x, v).items():
+            print(f"| {dim} | {kernel} | {' | '.join(cells)} |", flush=True)
+
+
 def machine():
     device = jax.devices()[0]
     cpu = platform.machine()
@@ -461,10 +482,11 @@ def main():
     parser.add_argument("--real", action="store_true")
     parser.add_argument("--gemm", type=int, metavar="N")
     parser.add_argument("--wide", type=int, metavar="N")
+    parser.add_argument("--chunks", type=int, metavar="N")
     args = parser.parse_args()
     if not any(vars(args).values()):
         args = argparse.Namespace(
-            kernels=8192, first_use=3000, split=8192, blocks=16384, real=True, gemm=8192, wide=8192
+            kernels=8192, first_use=3000, split=8192, blocks=16384, real=True, gemm=8192, wide=8192, chunks=8192
         )
     try:
         import gpjax
@@ -486,6 +508,8 @@ def main():
         gemm_table(args.gemm, gpjax)
     if args.wide:
         wide_table(args.wide, gpjax)
+    if args.chunks:
+        chunks_table(args.chunks)
 
 
 if __name__ == "__main__":

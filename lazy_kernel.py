@@ -499,6 +499,7 @@ def _warn_on_derivative(primals, tangents):
 # gets the vmap form.
 
 SPLIT_FEATURES_MAX = 2  # bench_lazy_kernel.py --split: from 3 features on, the loop was faster
+SUM_CHUNK = 4  # features summed pairwise per step of the loop (_looped_sum; bench_lazy_kernel.py --chunks)
 WIDE_GEMM_FEATURES_MIN = 8  # bench_lazy_kernel.py --wide: at D = 4 the loop's K @ v was faster, at 8 slower
 GEMM_FEATURES_MIN = 128  # bench_lazy_kernel.py --gemm: at D = 64, random points had 2.2 pairs per row the GEMM
 # cannot vouch for, so every block fell back to the loop, and took 1.2x the loop's time
@@ -794,7 +795,11 @@ def _wide_squared_distance(first, second, exact, tail):
     with _float64():
         x, y = (jax.lax.convert_element_type(p, jnp.float64) for p in (x, y))
         centre = jax.lax.stop_gradient((jnp.sum(x, 0) + jnp.sum(y, 0)) / (x.shape[0] + y.shape[0]))
-        a, b = rows.scaling(x[:, None] - centre)[:, 0], cols.scaling(y[None] - centre)[0]
+        # Each lengthscale converted once for both points: their gradients, which cancel to about (a - b)^2, are
+        # then added in float64. Converted apart, each was rounded to float32 first.
+        converted = {}
+        cast = lambda v: converted.setdefault(id(v), (v, jax.lax.convert_element_type(v, jnp.float64)))[1]  # noqa: E731
+        a, b = rows.scaling(x[:, None] - centre, cast)[:, 0], cols.scaling(y[None] - centre, cast)[0]
         norms_a, norms_b = jnp.sum(a * a, 1), jnp.sum(b * b, 1)
         # The gradient stops before the reductions: transposed after this context, they would mix dtypes.
         reach = jnp.sqrt(jnp.max(jax.lax.stop_gradient(norms_a))) + jnp.sqrt(jnp.max(jax.lax.stop_gradient(norms_b)))
@@ -910,24 +915,53 @@ def _squared_distance(first, second, exact):
 
 
 def _looped_sum(size, feature):
-    """The sum of ``feature(i)``, i < size, added one [b, n] array at a time. The loop's body is
-    rematerialised, so that reverse mode recomputes each feature from the points, and stores none.
+    """The sum of ``feature(i)``, i < size, in a loop whose body is rematerialised, so that reverse mode
+    recomputes each feature from the points, and stores none.
 
-    Past 4 terms the sum is compensated (Kahan's): added one after another, its error bound, (size - 1) eps of the
-    terms' sum, grows past a pairwise sum's (XLA's reductions), and a large d^2 (every pair far apart) carries
-    its relative error into K's. The compensation is no part of the derivative, which is the plain sum's.
-    """
-    if size <= 4:
-        return jax.lax.fori_loop(1, size, jax.checkpoint(lambda i, total: total + feature(i)), feature(0))
+    Up to SUM_CHUNK features are added one at a time; past that, chunks of SUM_CHUNK features (more past 64, so
+    that there are at most 16) are summed pairwise, one chunk per step, and the remainder after them: an error
+    bound of at most (16 + log2 chunk) eps of the terms' sum, where added one at a time it grows as (size - 1)
+    eps, and a large d^2 (every pair far apart) carries its relative error into K's. Compensating the chunks'
+    sum (Kahan's) doubled the loop's time. The derivative (a sum in any order) is taken one feature a time:
+    chunks in reverse mode took twice as long."""
+    if size <= SUM_CHUNK:
+        return _one_at_a_time(size, feature)
+    indexed, consts = jax.closure_convert(feature, 0)  # custom_jvp differentiates explicit inputs only
+    return _chunked_sum(size, indexed, *consts)
 
-    def add(i, carry):
-        total, compensation = carry
-        term = feature(i) - compensation
-        new = total + term
-        return new, jax.lax.stop_gradient((new - total) - term)
 
-    first = feature(0)
-    return jax.lax.fori_loop(1, size, jax.checkpoint(add), (first, jnp.zeros_like(first)))[0]
+def _one_at_a_time(size, feature):
+    return jax.lax.fori_loop(1, size, jax.checkpoint(lambda i, total: total + feature(i)), feature(0))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _chunked_sum(size, indexed, *consts):
+    """``_looped_sum`` past SUM_CHUNK features, of ``indexed(i, *consts)``."""
+
+    width = max(SUM_CHUNK, -(-size // 16))  # at most 16 chunks: 32 (8 features at D = 256) missed the far-apart test
+    chunks, rest = divmod(size, width)
+
+    def chunk(first, count=width):
+        return _pairwise([indexed(first + i, *consts) for i in range(count)])
+
+    add = jax.checkpoint(lambda c, total: total + chunk(c * width))
+    total = jax.lax.fori_loop(1, chunks, add, chunk(0))
+    return total + chunk(chunks * width, rest) if rest else total
+
+
+@_chunked_sum.defjvp
+def _chunked_sum_jvp(size, indexed, primals, tangents):
+    def tangent(i):
+        return jax.jvp(lambda *consts: indexed(i, *consts), primals, tangents)[1]
+
+    return _chunked_sum(size, indexed, *primals), _one_at_a_time(size, tangent)
+
+
+def _pairwise(terms):
+    """The sum of a list of arrays, added in pairs."""
+    while len(terms) > 1:
+        terms = [terms[i] + terms[i + 1] if i + 1 < len(terms) else terms[i] for i in range(0, len(terms), 2)]
+    return terms[0]
 
 
 def _dense(a):
@@ -982,11 +1016,12 @@ class _Scaled:
     def then(self, eqn, other, position):
         return _Scaled(self.point, (*self.steps, (eqn, other, position)))
 
-    def scaling(self, value):
-        """The steps, applied to a block value as the kernel's program applies them."""
+    def scaling(self, value, cast=None):
+        """The steps, applied to a block value as the kernel's program applies them; ``cast`` converts the values
+        of neither point first (to float64 for the wide GEMM)."""
         for eqn, other, position in self.steps:
-            if other is not None and getattr(value, "dtype", other.dtype) != other.dtype:  # float64: the wide GEMM
-                other = jax.lax.convert_element_type(other, value.dtype)
+            if other is not None and cast is not None:
+                other = cast(other)
             (value,) = _elementwise(eqn, [value] if other is None else [other, value][:: 2 * position - 1])
         return value
 

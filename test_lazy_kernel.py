@@ -583,8 +583,10 @@ def memory_kernel(name, dim):
     return gpjax.kernels.Matern52(lengthscale=jnp.float32(0.7))
 
 
-MEMORY_CASES = [  # (kernel, D): every kind, D from 1 to 256; the pair program split (D <= 2), looped, by the float64
-    *[("pair", d) for d in (1, 3, 16, 128)],  # GEMM (16, 64), by GEMM (128)
+# (kernel, D): every kind, D from 1 to 256; the pair program split (D <= 2), looped, by the float64 GEMM (16, 64),
+# by GEMM (128)
+MEMORY_CASES = [
+    *[("pair", d) for d in (1, 3, 16, 128)],
     *[("partial", d) for d in (17, 256)],
     ("many", 2),
     ("rbf", 2),
@@ -1463,6 +1465,8 @@ def accuracy_data(rng, dim, ls):
     ):
         x1, x2 = (centre + spread * ls * rng.normal(size=(n, dim)) for n in (24, 20))
         data[name] = (x1, x2)
+    x1 = 2 * ls * rng.normal(size=(24, dim))  # each gradient of x1[:20] the near pair's: a float32 reverse pass errs
+    data["near pairs, the rest far"] = (x1, x1[:20] + 1e-3 * ls * rng.normal(size=(20, dim)) / np.sqrt(dim))
     clusters = 100 * ls * rng.normal(size=(4, dim))
     data["tight clusters far apart"] = tuple(
         clusters[np.arange(n) % 4] + 0.01 * ls * rng.normal(size=(n, dim)) for n in (24, 20)
