@@ -1433,7 +1433,7 @@ def _peak_key(op, width, dtype):
     if kernel is None:
         kernel = str(_kernel_program(op))
     shapes = (_spec(op.x1), _spec(op.x2), width, jnp.dtype(dtype))
-    switches = (PAIR_PROGRAM, SPLIT_FEATURES_MAX, WIDE_GEMM_FEATURES_MIN, GEMM_FEATURES_MIN)
+    switches = (PAIR_PROGRAM, SPLIT_FEATURES_MAX, SUM_CHUNK, WIDE_GEMM_FEATURES_MIN, GEMM_FEATURES_MIN)
     return (kernel, shapes, op.transposed, op.checkpoint, jax.default_backend(), switches)
 
 
