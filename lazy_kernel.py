@@ -926,6 +926,8 @@ def _looped_sum(size, feature):
     chunks in reverse mode took twice as long."""
     if size <= SUM_CHUNK:
         return _one_at_a_time(size, feature)
+    if _JAX_VERSION < (0, 10):  # JAX 0.4.30's scan transpose rejected the derivative's loop (0.5 to 0.9 untried)
+        return _chunks(size, feature)
     indexed, consts = jax.closure_convert(feature, 0)  # custom_jvp differentiates explicit inputs only
     return _chunked_sum(size, indexed, *consts)
 
@@ -934,19 +936,23 @@ def _one_at_a_time(size, feature):
     return jax.lax.fori_loop(1, size, jax.checkpoint(lambda i, total: total + feature(i)), feature(0))
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _chunked_sum(size, indexed, *consts):
-    """``_looped_sum`` past SUM_CHUNK features, of ``indexed(i, *consts)``."""
-
+def _chunks(size, feature):
+    """``_looped_sum`` past SUM_CHUNK features."""
     width = max(SUM_CHUNK, -(-size // 16))  # at most 16 chunks: 32 (8 features at D = 256) missed the far-apart test
     chunks, rest = divmod(size, width)
 
     def chunk(first, count=width):
-        return _pairwise([indexed(first + i, *consts) for i in range(count)])
+        return _pairwise([feature(first + i) for i in range(count)])
 
     add = jax.checkpoint(lambda c, total: total + chunk(c * width))
     total = jax.lax.fori_loop(1, chunks, add, chunk(0))
     return total + chunk(chunks * width, rest) if rest else total
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _chunked_sum(size, indexed, *consts):
+    """``_chunks`` of ``indexed(i, *consts)``, its derivative one feature a time."""
+    return _chunks(size, lambda i: indexed(i, *consts))
 
 
 @_chunked_sum.defjvp
