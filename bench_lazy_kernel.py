@@ -8,7 +8,8 @@
     python bench_lazy_kernel.py --gemm 8192      # squared distances by GEMM against the loop, D = 64 to 256
     python bench_lazy_kernel.py --wide 8192      # float32 distances by the float64 GEMM, by D, x64 off and on
     python bench_lazy_kernel.py --chunks 8192    # the loop over features by SUM_CHUNK
-    python bench_lazy_kernel.py                  # all eight at those sizes
+    python bench_lazy_kernel.py --precision 32768  # K @ X's contraction at HIGHEST against JAX's default, by width
+    python bench_lazy_kernel.py                  # all nine at those sizes
 
 GPJax comes from the 'interop' extra. Everything a table compares runs in this
 one process on the same data (float32), timed round-robin so that load drifting
@@ -463,6 +464,33 @@ def chunks_table(n):
             print(f"| {dim} | {kernel} | {' | '.join(cells)} |", flush=True)
 
 
+def precision_table(n):
+    """The cost of the contraction at HIGHEST (the operator's default) against JAX's default precision (bf16 on
+    a TPU): K @ X for RBF at M = N = n and D = 3 (where the contraction weighs most against the kernel), by width,
+    and each one's worst error on 64 rows against NumPy float64."""
+    print(f"\n## K @ X at M = N = {n}, D = 3, float32, RBF: the contraction at HIGHEST against JAX's default precision")
+    print("## (ms; worst error relative to |K| |X| on 64 rows, X uniform on [-0.25, 1))\n")
+    print("| width | HIGHEST (the operator's default) | JAX's default | ratio |")
+    print("|---|---|---|---|")
+    rng = np.random.default_rng(0)
+    x = np.asarray(rng.normal(size=(n, 3)), np.float32)
+    ls = float(np.float32(np.sqrt(3)))
+    exact = lazy_kernel._rbf_numpy(x[:64].astype(np.float64), x.astype(np.float64), ls, 1.0)[0]
+
+    def product(x, operand, precision):
+        with jax.default_matmul_precision(precision):  # read when traced
+            return LazyKernel(RBF(jnp.float32(ls)), x, x) @ operand
+
+    forms = [functools.partial(product, precision=p) for p in (None, "default")]
+    for width in (1, 16, 64):
+        operand = np.asarray(rng.uniform(-0.25, 1, size=(n, width)), np.float32)
+        seconds = median_times(forms, (jnp.asarray(x), jnp.asarray(operand)))
+        want, scale = exact @ operand, exact @ np.abs(operand)
+        errors = [np.max(np.abs(np.asarray(jax.jit(f)(x, operand))[:64] - want) / scale) for f in forms]
+        cells = [f"{t * 1e3:.2f} ({e:.1e})" for t, e in zip(seconds, errors, strict=True)]
+        print(f"| {width} | {' | '.join(cells)} | {seconds[0] / seconds[1]:.2f} |", flush=True)
+
+
 def machine():
     device = jax.devices()[0]
     cpu = platform.machine()
@@ -483,10 +511,19 @@ def main():
     parser.add_argument("--gemm", type=int, metavar="N")
     parser.add_argument("--wide", type=int, metavar="N")
     parser.add_argument("--chunks", type=int, metavar="N")
+    parser.add_argument("--precision", type=int, metavar="N")
     args = parser.parse_args()
     if not any(vars(args).values()):
         args = argparse.Namespace(
-            kernels=8192, first_use=3000, split=8192, blocks=16384, real=True, gemm=8192, wide=8192, chunks=8192
+            kernels=8192,
+            first_use=3000,
+            split=8192,
+            blocks=16384,
+            real=True,
+            gemm=8192,
+            wide=8192,
+            chunks=8192,
+            precision=8192,
         )
     try:
         import gpjax
@@ -510,6 +547,8 @@ def main():
         wide_table(args.wide, gpjax)
     if args.chunks:
         chunks_table(args.chunks)
+    if args.precision:
+        precision_table(args.precision)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Test set-up: float64, full-precision matmuls, cheap CPU code generation, hypothesis profiles, one run per
-platform."""
+platform JAX sees (CPU, GPU, TPU)."""
 
 import contextlib
 import inspect
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 jax.config.update("jax_enable_x64", True)
-# GPUs with TF32 would otherwise round float32 matmuls (the operator's and
-# the oracle's) to about 3 decimal digits; the tests check full precision.
+# Accelerators would otherwise round the oracles' float32 matmuls (TF32 on a GPU, bf16 on a TPU) to about 3
+# decimal digits. The operator's own contraction is float32 without it: tests of that unset it.
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
@@ -89,11 +89,12 @@ def _platform_device(platform):
         return None
 
 
-@pytest.fixture(params=["cpu", "gpu"], autouse=True)
+PLATFORM_DEVICES = {p: d for p in ("cpu", "gpu", "tpu") if (d := _platform_device(p)) is not None}
+
+
+@pytest.fixture(params=sorted(PLATFORM_DEVICES), autouse=True)
 def device(request):
-    """Run every test once per platform JAX sees, with that platform's first device as default."""
-    dev = _platform_device(request.param)
-    if dev is None:
-        pytest.skip(f"no {request.param} device visible to JAX")
-    with jax.default_device(dev):
-        yield dev
+    """Run every test once per platform JAX sees (its id: ``-k tpu`` selects a TPU's runs), with that platform's
+    first device as default."""
+    with jax.default_device(PLATFORM_DEVICES[request.param]):
+        yield PLATFORM_DEVICES[request.param]
