@@ -344,12 +344,14 @@ def test_result_dtype_follows_jnp_matmul(kernel_dtype, operand_dtype):
 
 
 @pytest.mark.accelerator
+@pytest.mark.parametrize("chunk", [lazy_kernel.CONTRACTION_CHUNK, 128])  # 128: an accelerator's chunks, padded
 @pytest.mark.parametrize("width", [1, 16, 64])
-def test_products_are_float32_at_jax_default_precision(width, device):
+def test_products_are_float32_at_jax_default_precision(width, chunk, device, monkeypatch):
     """With JAX's matmul precision unset (a TPU then rounds a matrix-matrix product to bf16), ``K @ X`` and
-    ``X @ K`` are within 16 eps of the scale |K| |X| of NumPy float64's, beyond 4x what K's own values err
+    ``X @ K`` err by at most 16 eps of the scale |K| |X| against NumPy float64, beyond 4x what K's own values err
     (the vmap form on this device, contracted in float64). A precision the user sets is followed: bf16 is less
     accurate on an accelerator."""
+    monkeypatch.setattr(lazy_kernel, "CONTRACTION_CHUNK", chunk)
     rng = np.random.default_rng(width)
     x1, x2 = rng.normal(size=(500, 3)), rng.normal(size=(400, 3))
     right, left = rng.uniform(-0.25, 1, size=(400, width)), rng.uniform(-0.25, 1, size=(width, 500))
