@@ -354,7 +354,7 @@ class LazyKernel:
         """``K @ rhs``, rhs [N, width], by the engine at ``block`` rows per block."""
         op, rhs = (self, rhs) if self.checkpoint else _warn_if_differentiated((self, rhs))
         kernel, cols, transposed = op.kernel, jnp.asarray(op.x2), op.transposed
-        precision, chunk = _contraction_precision(), _contraction_chunk(rhs.shape[1])
+        precision, chunk = _contraction_precision(), _contraction_chunk(*rhs.shape)
         padded_cols, padded_rhs = _padded(cols, rhs, chunk)
 
         def rows_times(rows):
@@ -454,18 +454,18 @@ def _contraction_precision():
     return None if jax.config.jax_default_matmul_precision is not None else jax.lax.Precision.HIGHEST
 
 
-def _contraction_chunk(width):
-    """Columns of K that one matrix-unit product sums, for an operand of ``width`` columns: all of them on a CPU and
-    for a vector; ``CONTRACTION_CHUNK`` in a matrix-matrix product on an accelerator."""
-    if width == 1 or jax.default_backend() == "cpu" or not hasattr(jax.lax, "optimization_barrier"):
-        return None  # JAX before 0.4.31 lacks the barrier that keeps the chunks apart: one product
-    return CONTRACTION_CHUNK
+def _contraction_chunk(n, width):
+    """Columns of K that one matrix-unit product sums, for an operand [n, width]: ``CONTRACTION_CHUNK`` in a
+    matrix-matrix product of more columns on an accelerator; else None, all of them."""
+    if n <= CONTRACTION_CHUNK or width == 1 or jax.default_backend() == "cpu":
+        return None
+    return CONTRACTION_CHUNK if hasattr(jax.lax, "optimization_barrier") else None  # JAX 0.4.31 on: see _contract
 
 
 def _padded(cols, rhs, chunk):
     """The column points and the operand's rows padded to a whole number of chunks: copies of the last point (a
     kernel finite there is finite on them) against zero rows, which add exact zeros."""
-    pad = -cols.shape[0] % chunk if chunk and cols.shape[0] > chunk else 0
+    pad = -cols.shape[0] % chunk if chunk else 0
     if not pad:
         return cols, rhs
     cols = jnp.concatenate([cols, jnp.broadcast_to(cols[-1:], (pad, cols.shape[1]))])
@@ -480,7 +480,7 @@ def _contract(block, rhs, axis, precision, chunk):
     optimization barrier keeps XLA from folding the sum of the chunks back into one product.
     """
     n, width = rhs.shape
-    if not chunk or n <= chunk:
+    if not chunk:
         return jax.lax.dot_general(block, rhs, (((axis,), (0,)), ((), ())), precision)
     chunks = (*block.shape[:axis], n // chunk, chunk, *block.shape[axis + 1 :])
     numbers = (((axis + 1,), (1,)), ((axis,), (0,)))  # contract within a chunk, batch over chunks
