@@ -9,7 +9,8 @@
     python bench_lazy_kernel.py --wide 8192      # float32 distances by the float64 GEMM, by D, x64 off and on
     python bench_lazy_kernel.py --chunks 8192    # the loop over features by SUM_CHUNK
     python bench_lazy_kernel.py --precision 32768  # K @ X's contraction at HIGHEST against JAX's default, by width
-    python bench_lazy_kernel.py                  # all nine at those sizes
+    python bench_lazy_kernel.py --accelerator 32768  # off the CPU: blocks by size, D = 3 to 256
+    python bench_lazy_kernel.py                  # all nine at those sizes (not --accelerator)
 
 GPJax comes from the 'interop' extra. Everything a table compares runs in this
 one process on the same data (float32), timed round-robin so that load drifting
@@ -491,6 +492,39 @@ def precision_table(n):
         print(f"| {width} | {' | '.join(cells)} | {seconds[0] / seconds[1]:.2f} |", flush=True)
 
 
+def accelerator_table(n):
+    """Off the CPU: lazy_kernel.RBF by rows per block (ACCELERATOR_BLOCK_BYTES's against batch_size_row's), with
+    the inexact GEMM RBF and the exp + matvec ceiling at the default blocks for scale."""
+    print(
+        f"\n## By block size, float32: K @ v at M = N = {n}, the checkpointed gradient of sum(sin(K @ v)) at {n // 2}\n"
+    )
+    print("| kernel | D | rows per block | K @ v, ms | gradient, ms |")
+    print("|---|---|---|---|---|")
+    rng = np.random.default_rng(0)
+    for dim in (3, 16, 64, 256):
+        x = jnp.asarray(rng.normal(size=(n, dim)), jnp.float32)
+        v = jnp.asarray(rng.normal(size=n), jnp.float32)
+        ls = lengthscales(dim)
+        default = LazyKernel(RBF(ls), x, x).block_rows
+        sizes = sorted({default, min(2048, n), min(LazyKernel(RBF(ls), x, x).batch_size_row, n)})
+        right = [lambda ls, x, v, rows=rows: LazyKernel(RBF(ls, 1.3), x, x, batch_size=rows) @ v for rows in sizes]
+
+        def loss(ls, x, v, rows):
+            return jnp.sum(jnp.sin(LazyKernel(RBF(ls, 1.3), x, x, batch_size=rows, checkpoint=True) @ v))
+
+        grads = [jax.grad(functools.partial(loss, rows=max(1, rows // 2)), argnums=(0, 1, 2)) for rows in sizes]
+        gemm = lambda ls, x, v: LazyKernel(GemmRBF(ls), x, x) @ v  # noqa: E731
+        gemm_loss = lambda ls, x, v: jnp.sum(jnp.sin(LazyKernel(GemmRBF(ls), x, x, checkpoint=True) @ v))  # noqa: E731
+        forward = median_times([*right, gemm, lambda ls, x, v, rows=default: ceiling(n, rows)(x, v)], (ls, x, v))
+        half = (ls, x[: n // 2], v[: n // 2])
+        backward = median_times([*grads, jax.grad(gemm_loss, argnums=(0, 1, 2))], half)
+        for i, rows in enumerate(sizes):
+            mark = " (default)" if rows == default else ""
+            print(f"| lazy_kernel.RBF | {dim} | {rows}{mark} | {forward[i] * 1e3:.1f} | {backward[i] * 1e3:.1f} |")
+        print(f"| {REFERENCE} | {dim} | {default} | {forward[-2] * 1e3:.1f} | {backward[-1] * 1e3:.1f} |")
+        print(f"| ceiling: exp + matvec | {dim} | {default} | {forward[-1] * 1e3:.1f} | |", flush=True)
+
+
 def machine():
     device = jax.devices()[0]
     cpu = platform.machine()
@@ -512,6 +546,7 @@ def main():
     parser.add_argument("--wide", type=int, metavar="N")
     parser.add_argument("--chunks", type=int, metavar="N")
     parser.add_argument("--precision", type=int, metavar="N")
+    parser.add_argument("--accelerator", type=int, metavar="N")
     args = parser.parse_args()
     if not any(vars(args).values()):
         args = argparse.Namespace(
@@ -524,6 +559,7 @@ def main():
             wide=8192,
             chunks=8192,
             precision=8192,
+            accelerator=None,
         )
     try:
         import gpjax
@@ -549,6 +585,8 @@ def main():
         chunks_table(args.chunks)
     if args.precision:
         precision_table(args.precision)
+    if args.accelerator:
+        accelerator_table(args.accelerator)
 
 
 if __name__ == "__main__":

@@ -1227,7 +1227,7 @@ def block_evaluation(kernel: PairKernel, dim: int, dtype=jnp.float32) -> str:
 # ``jax.custom_jvp`` whose rule sees it in its symbolic zeros, measures that
 # one gradient, and runs at its block (``_measured_product``).
 #
-# The block is the fastest one (cache-sized on CPU, ``batch_size_row`` on
+# The block is the fastest one (cache-sized on CPU, ACCELERATOR_BLOCK_BYTES on
 # other backends) if its peak is within the limit, ``max_memory_mb`` plus twice
 # the data; else the peak is measured at a small block too, fitted as
 # ``fixed + per_row * rows``, and the block shrunk, measuring again, until it
@@ -1236,6 +1236,8 @@ def block_evaluation(kernel: PairKernel, dim: int, dtype=jnp.float32) -> str:
 
 CPU_BLOCK_BYTES = 4 * 2**20  # the fastest block size measured on a CPU (bench_lazy_kernel.py --blocks)
 CPU_MIN_BLOCK = 64  # blocks of 16 rows or columns were slower (bench_lazy_kernel.py --blocks)
+ACCELERATOR_BLOCK_BYTES = 64 * 2**20  # TPU v5e, N = 32768: 512-row blocks took RBF's K @ v 0.48x the time of
+# 8192-row ones at D = 3, 0.86x at D = 16, 0.97x at D = 256, its gradient 0.58x at D = 3 (bench --accelerator)
 # Probes compile at XLA:CPU's lowest code-generation optimisation: the same
 # buffers (the tests compare measurements with the programs users compile) sooner.
 _PROBE_OPTIONS = {"cpu": {"xla_backend_optimization_level": 0}}
@@ -1367,16 +1369,19 @@ def _measured_block(op, width, dtype, given=None, cached_only=False, differentia
 
 
 def _fastest_rows(op, gradient):
-    """The block before the budget is measured: ``batch_size_row``, on CPU at most a cache-sized block.
+    """The block before the budget is measured: ``batch_size_row``, at most a cache-sized block on CPU and
+    ACCELERATOR_BLOCK_BYTES elsewhere.
 
     A gradient's is at most half the rows: XLA compiles a loop of one iteration as straight-line code, scheduled
     with the loss around it, which the measured program lacks; such a gradient's peak reached 1.33x the
     measured one.
     """
-    rows = op.batch_size_row
+    row_bytes = op.dtype.itemsize * max(op.shape[1], 1)
     if jax.default_backend() == "cpu":
-        cache_sized = CPU_BLOCK_BYTES // (op.dtype.itemsize * max(op.shape[1], 1))
-        rows = min(rows, max(CPU_MIN_BLOCK, cache_sized))
+        rows = max(CPU_MIN_BLOCK, CPU_BLOCK_BYTES // row_bytes)
+    else:
+        rows = max(1, ACCELERATOR_BLOCK_BYTES // row_bytes)
+    rows = min(rows, op.batch_size_row)
     return max(1, min(rows, -(-op.shape[0] // 2) if gradient else op.shape[0]))
 
 
@@ -1599,7 +1604,9 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     parser.add_argument("--width", type=int, default=16, help="columns of X in K @ X")
     parser.add_argument("--max-memory-mb", type=float, default=2**10, help="budget for the blocks")
-    parser.add_argument("--batch-size", type=int, default=None, help="fixed rows/columns per block")
+    parser.add_argument(
+        "--batch-size", type=int, help="fixed rows/columns per block; measured, except 512 in float64 off the CPU"
+    )
     parser.add_argument(
         "--checkpoint",
         action=argparse.BooleanOptionalAction,
@@ -1622,7 +1629,10 @@ def main(argv=None) -> int:
     v, w = (np.asarray(rng.uniform(-0.25, 1, size=n), args.dtype) for _ in range(2))
     wide = np.asarray(rng.uniform(-0.25, 1, size=(n, args.width)), args.dtype)
     kernel = RBF(jnp.asarray(lengthscale, args.dtype), jnp.asarray(variance, args.dtype))
-    settings = dict(max_memory_mb=args.max_memory_mb, batch_size=args.batch_size)
+    batch_size = args.batch_size
+    if batch_size is None and args.dtype == "float64" and jax.default_backend() != "cpu":
+        batch_size = 512  # emulated float64 compiles slowly (a TPU v5e: over 70 s for the blocks' measurements)
+    settings = dict(max_memory_mb=args.max_memory_mb, batch_size=batch_size)
     right, left, grad_x1 = _products(kernel, settings, args.checkpoint, devices)
     local = n // len(devices)
     op_right = LazyKernel(kernel, jnp.asarray(x1[:local]), jnp.asarray(x2), **settings)  # what one device holds

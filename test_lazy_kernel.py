@@ -270,6 +270,22 @@ def test_core_alone_uses_the_seeds_blocks(monkeypatch):
     assert (op.block_rows, op.block_cols) == (op.batch_size_row, op.batch_size_col) == (43, 26)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "tpu", "gpu"])
+def test_fastest_block_is_cache_sized_on_cpu_and_accelerator_sized_elsewhere(monkeypatch, backend):
+    monkeypatch.setattr(lazy_kernel.jax, "default_backend", lambda: backend)
+    columns = 32768
+    x1, x2 = jnp.zeros((20000, 3), jnp.float32), jnp.zeros((columns, 3), jnp.float32)
+    op = LazyKernel(RBF(), x1, x2)
+    expected = {"cpu": lazy_kernel.CPU_MIN_BLOCK}  # 4 MiB is 32 rows here: at least 64
+    expected["tpu"] = expected["gpu"] = 2**26 // (4 * columns)  # 64 MiB: 512 rows
+    assert lazy_kernel._fastest_rows(op, gradient=False) == expected[backend]
+    assert lazy_kernel._fastest_rows(op, gradient=True) == expected[backend]  # half of 20000 rows is more
+    tight = LazyKernel(RBF(), x1, x2, max_memory_mb=4)
+    assert lazy_kernel._fastest_rows(tight, gradient=False) == min(tight.batch_size_row, expected[backend]) == 32
+    few = LazyKernel(RBF(), x1[:300], x2)
+    assert lazy_kernel._fastest_rows(few, gradient=True) == (64 if backend == "cpu" else 150)  # at most half
+
+
 def test_constructor_keeps_what_was_passed():
     x1, x2 = np.zeros((4, 2), np.float32), jnp.zeros((5, 2), jnp.float32)
     kernel = RBF()
