@@ -505,8 +505,9 @@ def accelerator_table(n):
         x = jnp.asarray(rng.normal(size=(n, dim)), jnp.float32)
         v = jnp.asarray(rng.normal(size=n), jnp.float32)
         ls = lengthscales(dim)
-        default = LazyKernel(RBF(ls), x, x).block_rows
-        sizes = sorted({default, min(2048, n), min(LazyKernel(RBF(ls), x, x).batch_size_row, n)})
+        op = LazyKernel(RBF(ls), x, x)
+        default = op.block_rows
+        sizes = sorted({default, min(2048, n), min(op.batch_size_row, n)})
         right = [lambda ls, x, v, rows=rows: LazyKernel(RBF(ls, 1.3), x, x, batch_size=rows) @ v for rows in sizes]
 
         def loss(ls, x, v, rows):

@@ -1689,8 +1689,8 @@ def main(argv=None) -> int:
         reasons.append(f"the kernel's values err {kernel_error:.3g}x what float arithmetic allows: exp or arithmetic")
     if failures:
         reasons.append(
-            ", ".join(failures) + " err more than the contract allows (16 eps + 4x the vmap form's error): the "
-            "operator's blocks or their contraction (a product rounded to bf16 errs about 1e-3)"
+            ", ".join(failures) + f" err more than the contract allows ({SANITY_CONTRACT_EPS} eps + 4x the vmap "
+            "form's error): the operator's blocks or their contraction (a product rounded to bf16 errs about 1e-3)"
         )
     print(f"FAIL: {'; '.join(reasons)} wrong on this machine" if reasons else "PASS")
     return 1 if reasons else 0
