@@ -9,8 +9,9 @@
     python bench_lazy_kernel.py --wide 8192      # float32 distances by the float64 GEMM, by D, x64 off and on
     python bench_lazy_kernel.py --chunks 8192    # the loop over features by SUM_CHUNK
     python bench_lazy_kernel.py --precision 32768  # K @ X's contraction at HIGHEST against JAX's default, by width
-    python bench_lazy_kernel.py --accelerator 32768  # off the CPU: blocks by size, D = 3 to 256
-    python bench_lazy_kernel.py                  # all nine at those sizes (not --accelerator)
+    python bench_lazy_kernel.py --accelerator 32768  # off the CPU: --kernels at N for every D
+    python bench_lazy_kernel.py --accelerator-blocks 32768  # off the CPU: blocks by size, D = 3 to 256
+    python bench_lazy_kernel.py                  # all nine at those sizes (not the accelerator tables)
 
 GPJax comes from the 'interop' extra. Everything a table compares runs in this
 one process on the same data (float32), timed round-robin so that load drifting
@@ -147,39 +148,53 @@ def gradient_seconds(made, x, v):
     return median_times(gradients(made.values()), (lengthscales(x.shape[1]), x, v))
 
 
-def kernels_table(n, gpjax):
+def kernels_table(n, gpjax, halved_at_256=True):
     print(f"\n## Speed, float32, ratios to the inexact GEMM RBF in the same run: K @ v at M = N = {n}, the")
-    print(f"## checkpointed gradient of sum(sin(K @ v)) (lengthscales, points, v) at M = N = {n // 2}; at D = 256")
-    print("## half of each\n")
+    print(f"## checkpointed gradient of sum(sin(K @ v)) (lengthscales, points, v) at M = N = {n // 2}")
+    print("## (at D = 256 half of each)\n" if halved_at_256 else "")
     print("| kernel | D | K @ v, ms | ratio | checkpointed gradient, ms | ratio |")
     print("|---|---|---|---|---|---|")
     made = kernels(gpjax)
     reference = list(made).index(REFERENCE)
     for dim in (3, 16, 64, 256):
         rng = np.random.default_rng(0)
-        size = n if dim < 256 else n // 2
+        size = n if dim < 256 or not halved_at_256 else n // 2
         x = jnp.asarray(rng.normal(size=(size, dim)), jnp.float32)
         v = jnp.asarray(rng.normal(size=size), jnp.float32)
         forward_s, ceiling_s, rows = forward_seconds(made, x, v)
         gradient_s = gradient_seconds(made, x[: size // 2], v[: size // 2])
         for i, name in enumerate(made):
             print(
-                f"| {name} | {dim} | {forward_s[i] * 1e3:.0f} | {forward_s[i] / forward_s[reference]:.2f} "
-                f"| {gradient_s[i] * 1e3:.0f} | {gradient_s[i] / gradient_s[reference]:.2f} |",
+                f"| {name} | {dim} | {forward_s[i] * 1e3:.1f} | {forward_s[i] / forward_s[reference]:.2f} "
+                f"| {gradient_s[i] * 1e3:.1f} | {gradient_s[i] / gradient_s[reference]:.2f} |",
                 flush=True,
             )
         print(
-            f"| ceiling: exp + matvec on {rows}-row blocks | {dim} | {ceiling_s * 1e3:.0f} "
+            f"| ceiling: exp + matvec on {rows}-row blocks | {dim} | {ceiling_s * 1e3:.1f} "
             f"| lazy_kernel.RBF at {ceiling_s / forward_s[0]:.2f} of it | | |",
             flush=True,
         )
 
 
-def real_table(gpjax):
-    """The GP gradient on scikit-learn's bundled data sets (standardised), ratios to the inexact GEMM RBF."""
+def real_sets(npz):
+    """name -> points: scikit-learn's bundled data sets, or the arrays of an .npz saved from them (digits,
+    breast_cancer, diabetes) for a machine without scikit-learn; None where neither is there."""
+    if npz:
+        return {name.replace("_", " "): data for name, data in np.load(npz).items()}
     try:
         from sklearn import datasets
     except ImportError:
+        return None
+    return {name: getattr(datasets, f"load_{name.replace(' ', '_')}")().data for name in REAL_SETS}
+
+
+REAL_SETS = ("digits", "breast cancer", "diabetes")
+
+
+def real_table(gpjax, npz=None):
+    """The GP gradient on scikit-learn's bundled data sets (standardised), ratios to the inexact GEMM RBF."""
+    sets = real_sets(npz)
+    if sets is None:
         print("\nscikit-learn is not installed: no real-data table")
         return
     print("\n## Real data (scikit-learn, standardised), float32: the checkpointed gradient of sum(sin(K @ v))")
@@ -188,18 +203,13 @@ def real_table(gpjax):
     print("|---|---|---|---|---|")
     made = kernels(gpjax)
     reference = list(made).index(REFERENCE)
-    for name, load in (
-        ("digits", datasets.load_digits),
-        ("breast cancer", datasets.load_breast_cancer),
-        ("diabetes", datasets.load_diabetes),
-    ):
-        data = load().data
+    for name, data in sets.items():
         data = (data - data.mean(0)) / np.maximum(data.std(0), 1e-12)
         x = jnp.asarray(data, jnp.float32)
         gradient_s = gradient_seconds(made, x, jnp.asarray(np.random.default_rng(0).normal(size=len(x)), jnp.float32))
         for i, kernel in enumerate(made):
             print(
-                f"| {name} | {data.shape[0]} x {data.shape[1]} | {kernel} | {gradient_s[i] * 1e3:.0f} "
+                f"| {name} | {data.shape[0]} x {data.shape[1]} | {kernel} | {gradient_s[i] * 1e3:.1f} "
                 f"| {gradient_s[i] / gradient_s[reference]:.2f} |",
                 flush=True,
             )
@@ -492,7 +502,12 @@ def precision_table(n):
         print(f"| {width} | {' | '.join(cells)} | {seconds[0] / seconds[1]:.2f} |", flush=True)
 
 
-def accelerator_table(n):
+def accelerator_table(n, gpjax):
+    """Off the CPU: kernels_table at N for every D."""
+    kernels_table(n, gpjax, halved_at_256=False)
+
+
+def accelerator_blocks_table(n):
     """Off the CPU: lazy_kernel.RBF by rows per block (ACCELERATOR_BLOCK_BYTES's against batch_size_row's), with
     the inexact GEMM RBF and the exp + matvec ceiling at the default blocks for scale."""
     print(
@@ -543,11 +558,13 @@ def main():
     parser.add_argument("--split", type=int, metavar="N")
     parser.add_argument("--blocks", type=int, metavar="N")
     parser.add_argument("--real", action="store_true")
+    parser.add_argument("--real-from", metavar="NPZ", help="--real's data sets from an .npz (no scikit-learn here)")
     parser.add_argument("--gemm", type=int, metavar="N")
     parser.add_argument("--wide", type=int, metavar="N")
     parser.add_argument("--chunks", type=int, metavar="N")
     parser.add_argument("--precision", type=int, metavar="N")
     parser.add_argument("--accelerator", type=int, metavar="N")
+    parser.add_argument("--accelerator-blocks", type=int, metavar="N")
     args = parser.parse_args()
     if not any(vars(args).values()):
         args = argparse.Namespace(
@@ -556,11 +573,13 @@ def main():
             split=8192,
             blocks=16384,
             real=True,
+            real_from=None,
             gemm=8192,
             wide=8192,
             chunks=8192,
             precision=8192,
             accelerator=None,
+            accelerator_blocks=None,
         )
     try:
         import gpjax
@@ -577,7 +596,7 @@ def main():
     if args.blocks:
         blocks_table(args.blocks)
     if args.real:
-        real_table(gpjax)
+        real_table(gpjax, args.real_from)
     if args.gemm:
         gemm_table(args.gemm, gpjax)
     if args.wide:
@@ -587,7 +606,9 @@ def main():
     if args.precision:
         precision_table(args.precision)
     if args.accelerator:
-        accelerator_table(args.accelerator)
+        accelerator_table(args.accelerator, gpjax)
+    if args.accelerator_blocks:
+        accelerator_blocks_table(args.accelerator_blocks)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ The file depends on ``jax`` alone: copy it into your project if you like.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import functools
 import math
@@ -1237,7 +1238,7 @@ def block_evaluation(kernel: PairKernel, dim: int, dtype=jnp.float32) -> str:
 CPU_BLOCK_BYTES = 4 * 2**20  # the fastest block size measured on a CPU (bench_lazy_kernel.py --blocks)
 CPU_MIN_BLOCK = 64  # blocks of 16 rows or columns were slower (bench_lazy_kernel.py --blocks)
 ACCELERATOR_BLOCK_BYTES = 64 * 2**20  # TPU v5e, N = 32768: 512-row blocks took RBF's K @ v 0.48x the time of
-# 8192-row ones at D = 3, 0.86x at D = 16, 0.97x at D = 256, its gradient 0.58x at D = 3 (bench --accelerator)
+# 8192-row ones at D = 3, 0.86x at D = 16, 0.97x at D = 256, its gradient 0.58x at D = 3 (bench --accelerator-blocks)
 # Probes compile at XLA:CPU's lowest code-generation optimisation: the same
 # buffers (the tests compare measurements with the programs users compile) sooner.
 _PROBE_OPTIONS = {"cpu": {"xla_backend_optimization_level": 0}}
@@ -1524,8 +1525,16 @@ def _rbf_numpy(x1, x2, lengthscale, variance):
     return variance * np.exp(-0.5 * z), z
 
 
+def _compiled(calls):
+    """Each ``(jitted function, arguments)`` traced here, then all compiled at once in threads (XLA compiles
+    without Python's lock): compiling one at a time took most of a TPU v5e's check in float64 (79 s at D = 64)."""
+    lowered = [f.lower(*f_args) for f, f_args in calls]
+    with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
+        return list(pool.map(lambda program: program.compile(), lowered))
+
+
 def _timed(f, *args, repeats=3):
-    """``f(*args)`` (its first run, which compiles) and the median seconds of ``repeats`` more."""
+    """``f(*args)`` (its first run) and the median seconds of ``repeats`` more."""
     result = jax.block_until_ready(f(*args))
     times = []
     for _ in range(repeats):
@@ -1650,9 +1659,7 @@ def main(argv=None) -> int:
     )
 
     rows = np.sort(rng.choice(n, size=min(args.check, n), replace=False))
-    with jax.default_device(device):
-        vmap_form = jax.jit(functools.partial(_vmap_form, kernel))(x1, x2, rows, rows, v, w, wide)
-    k_vmap, *vmap_results = (np.asarray(a, np.float64) for a in vmap_form)
+    on_device = dict(zip(("x1", "x2", "v", "w", "wide"), map(jnp.asarray, (x1, x2, v, w, wide)), strict=True))
     x1, x2, v, w, wide = (np.asarray(a, np.float64) for a in (x1, x2, v, w, wide))
     k_rows, z = _rbf_numpy(x1[rows], x2, lengthscale, variance)  # K[rows, :]
     k_cols = _rbf_numpy(x1, x2[rows], lengthscale, variance)[0]  # K[:, rows]
@@ -1660,12 +1667,17 @@ def main(argv=None) -> int:
     gradient = w[rows, None] * (weighted @ x2 - x1[rows] * weighted.sum(1, keepdims=True)) / lengthscale**2
     terms = [np.abs(weighted * (x2[:, d] - x1[rows, d, None])).sum(1) for d in range(args.dim)]  # a feature's
     gradient_scale = np.abs(w[rows, None]) * np.stack(terms, 1) / lengthscale**2
-    cases = {  # name: (function, arguments, the truth at the rows checked, its scale)
-        "K @ v": (right, (x1, x2, v), k_rows @ v, k_rows @ np.abs(v)),
-        f"K @ X ({args.width} columns)": (right, (x1, x2, wide), k_rows @ wide, k_rows @ np.abs(wide)),
-        "w @ K": (left, (x1, x2, w), w @ k_cols, np.abs(w) @ k_cols),
-        "grad_x1 w.(K @ v)": (grad_x1, (x1, x2, v, w), gradient, gradient_scale),
+    cases = {  # name: (function, its arguments' names, the truth at the rows checked, its scale)
+        "K @ v": (right, "x1 x2 v", k_rows @ v, k_rows @ np.abs(v)),
+        f"K @ X ({args.width} columns)": (right, "x1 x2 wide", k_rows @ wide, k_rows @ np.abs(wide)),
+        "w @ K": (left, "x1 x2 w", w @ k_cols, np.abs(w) @ k_cols),
+        "grad_x1 w.(K @ v)": (grad_x1, "x1 x2 v w", gradient, gradient_scale),
     }
+    calls = [(f, [on_device[name] for name in names.split()]) for f, names, _, _ in cases.values()]
+    with jax.default_device(device):
+        vmap_args = [on_device["x1"], on_device["x2"], rows, rows, *(on_device[name] for name in ("v", "w", "wide"))]
+        vmap_form, *compiled = _compiled([(jax.jit(functools.partial(_vmap_form, kernel)), vmap_args), *calls])
+        k_vmap, *vmap_results = (np.asarray(a, np.float64) for a in vmap_form(*vmap_args))
 
     allowed = ((args.dim + 8) * z / 2 + EXP_ULPS[args.dtype]) * eps
     kernel_error = float(np.max(np.abs(k_vmap - k_rows) / (k_rows * allowed)))
@@ -1673,8 +1685,10 @@ def main(argv=None) -> int:
     print(f"{'kernel values, vmap form':>26}: {kernel_error:.2f} of the error float arithmetic allows", end=" ")
     print("ok" if kernel_error <= 1 else "FAIL")
     failures = []
-    for (name, (f, f_args, want, scale)), vmapped in zip(cases.items(), vmap_results, strict=True):
-        result, seconds = _timed(f, *(jnp.asarray(a, args.dtype) for a in f_args))
+    for (name, (_, _, want, scale)), f, (_, f_args), vmapped in zip(
+        cases.items(), compiled, calls, vmap_results, strict=True
+    ):
+        result, seconds = _timed(f, *f_args)
         error = _relative_error(np.asarray(result)[rows], want, scale)
         vmap_error = _relative_error(vmapped, want, scale)
         tolerance = SANITY_CONTRACT_EPS * eps + 4 * vmap_error

@@ -1585,6 +1585,7 @@ ACCURACY_CASES = [  # (D, dtype, x64): features written out; looped; by the floa
     pytest.param(16, jnp.float32, True, marks=ON_ACCELERATORS),
     pytest.param(16, jnp.float32, False, marks=ON_ACCELERATORS),
     (16, jnp.float64, True),
+    pytest.param(64, jnp.float32, True, marks=ON_ACCELERATORS),
     pytest.param(256, jnp.float32, True, marks=ON_ACCELERATORS),
     (256, jnp.float64, True),
 ]
@@ -1601,6 +1602,8 @@ def test_as_accurate_as_the_vmap_form(name, dim, dtype, x64, device, request):
     gradients a reverse pass dropped to float32 would miss); and data whose every pair is far apart. Float32
     points with x64 on and off (distances in float64 either way, from D = 16).
     """
+    if dim == 64 and device.platform == "cpu":
+        pytest.skip("on CPU, D = 64 takes D = 16's forms (tested); an accelerator's subset has it")
     if device.platform == "tpu" and name == "gpjax-Matern12":
         reason = "TPU v5e, D = 3: a near pair's dK/dls erred 4.2x the vmap form's (3.6e-5, 8.5e-6); not understood"
         request.applymarker(pytest.mark.xfail(reason=reason, strict=False))
