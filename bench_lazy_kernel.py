@@ -502,11 +502,6 @@ def precision_table(n):
         print(f"| {width} | {' | '.join(cells)} | {seconds[0] / seconds[1]:.2f} |", flush=True)
 
 
-def accelerator_table(n, gpjax):
-    """Off the CPU: kernels_table at N for every D."""
-    kernels_table(n, gpjax, halved_at_256=False)
-
-
 def accelerator_blocks_table(n):
     """Off the CPU: lazy_kernel.RBF by rows per block (ACCELERATOR_BLOCK_BYTES's against batch_size_row's), with
     the inexact GEMM RBF and the exp + matvec ceiling at the default blocks for scale."""
@@ -529,11 +524,10 @@ def accelerator_blocks_table(n):
             return jnp.sum(jnp.sin(LazyKernel(RBF(ls, 1.3), x, x, batch_size=rows, checkpoint=True) @ v))
 
         grads = [jax.grad(functools.partial(loss, rows=max(1, rows // 2)), argnums=(0, 1, 2)) for rows in sizes]
-        gemm = lambda ls, x, v: LazyKernel(GemmRBF(ls), x, x) @ v  # noqa: E731
-        gemm_loss = lambda ls, x, v: jnp.sum(jnp.sin(LazyKernel(GemmRBF(ls), x, x, checkpoint=True) @ v))  # noqa: E731
+        (gemm,), (gemm_gradient,) = products([GemmRBF]), gradients([GemmRBF])
         forward = median_times([*right, gemm, lambda ls, x, v, rows=default: ceiling(n, rows)(x, v)], (ls, x, v))
         half = (ls, x[: n // 2], v[: n // 2])
-        backward = median_times([*grads, jax.grad(gemm_loss, argnums=(0, 1, 2))], half)
+        backward = median_times([*grads, gemm_gradient], half)
         for i, rows in enumerate(sizes):
             mark = " (default)" if rows == default else ""
             print(f"| lazy_kernel.RBF | {dim} | {rows}{mark} | {forward[i] * 1e3:.1f} | {backward[i] * 1e3:.1f} |")
@@ -549,6 +543,11 @@ def machine():
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     kind = "" if device.platform == "cpu" else f" {device.device_kind},"
     return f"{device.platform}{kind} {os.cpu_count()} cores {cpu}, jax {jax.__version__}"
+
+
+CPU_TABLES = dict(  # what a run without flags makes: every table but the accelerator ones
+    kernels=8192, first_use=3000, split=8192, blocks=16384, real=True, gemm=8192, wide=8192, chunks=8192, precision=8192
+)
 
 
 def main():
@@ -567,20 +566,7 @@ def main():
     parser.add_argument("--accelerator-blocks", type=int, metavar="N")
     args = parser.parse_args()
     if not any(vars(args).values()):
-        args = argparse.Namespace(
-            kernels=8192,
-            first_use=3000,
-            split=8192,
-            blocks=16384,
-            real=True,
-            real_from=None,
-            gemm=8192,
-            wide=8192,
-            chunks=8192,
-            precision=8192,
-            accelerator=None,
-            accelerator_blocks=None,
-        )
+        vars(args).update(CPU_TABLES)
     try:
         import gpjax
     except ImportError:
@@ -606,7 +592,7 @@ def main():
     if args.precision:
         precision_table(args.precision)
     if args.accelerator:
-        accelerator_table(args.accelerator, gpjax)
+        kernels_table(args.accelerator, gpjax, halved_at_256=False)
     if args.accelerator_blocks:
         accelerator_blocks_table(args.accelerator_blocks)
 
