@@ -21,7 +21,8 @@ Two optional layers follow, each with a switch (set it before tracing; ``jit``
 keeps what it traced), each entered from the core only at the functions named:
 
 4. ``PAIR_PROGRAM``: on CPU, blocks from the kernel's own program run on
-   whole blocks (``_pair_program_block``): the vmap form's accuracy, faster.
+   whole blocks (``_pair_program_block``): the vmap form's accuracy, faster;
+   on an accelerator at D in ``ACCELERATOR_FEATURES``, for values only.
 5. ``MEASURED_BLOCKS``: the block size from XLA's measured peak of the program
    that runs, so that the budget bounds the real memory, gradients included
    (``_measured_product`` for products; ``_measured_block`` and
@@ -137,8 +138,9 @@ def _block(kernel, xa, xb, transposed):
     """``kernel_block``'s block as it is computed, and whether that is its transpose, [len(xb), len(xa)]: a
     ``cross_covariance`` fills blocks of K only, so a block of K.T is one of K, which the engine contracts as it
     is (transposing it first took twice the time)."""
-    if PAIR_PROGRAM and jax.default_backend() == "cpu":
-        block = _pair_program_block(kernel, xa, xb, transposed)
+    if _pair_program_runs(xa.shape[1]):
+        on_cpu = jax.default_backend() == "cpu"
+        block = (_pair_program_block if on_cpu else _pair_program_forward)(kernel, xa, xb, transposed)
         if block is not None:
             return block, False
     if hasattr(kernel, "cross_covariance"):
@@ -509,7 +511,7 @@ def _warn_on_derivative(primals, tangents):
 
 
 # --------------------------------------------------------------------------
-# 4. Layer: the pair program, fast CPU blocks with the vmap form's numbers
+# 4. Layer: the pair program, fast blocks with the vmap form's numbers
 # --------------------------------------------------------------------------
 #
 # ``_vmap_block`` turns a pair kernel into a [b, n, D] computation, and XLA on
@@ -543,12 +545,21 @@ def _warn_on_derivative(primals, tangents):
 # (``_wide_squared_distance``). An equation no rule takes is vmapped on its own
 # (``_by_vmap``), and a kernel the program does not take at all (``None``)
 # gets the vmap form.
+#
+# On an accelerator the vmap form's [b, n, D] values hold D in the vector
+# unit's lanes, mostly empty at small D. There the program runs at D in
+# ACCELERATOR_FEATURES, every feature written out (a loop would be a pass over
+# memory per feature), for values only: its derivatives are the vmap form's
+# (``_pair_program_forward``).
 
 SPLIT_FEATURES_MAX = 2  # bench_lazy_kernel.py --split: from 3 features on, the loop was faster
 SUM_CHUNK = 4  # features summed pairwise per step of the loop (_looped_sum; bench_lazy_kernel.py --chunks)
 WIDE_GEMM_FEATURES_MIN = 8  # bench_lazy_kernel.py --wide: at D = 4 the loop's K @ v was faster, at 8 slower
 GEMM_FEATURES_MIN = 128  # bench_lazy_kernel.py --gemm: at D = 64, random points had 2.2 pairs per row the GEMM
 # cannot vouch for, so every block fell back to the loop, and took 1.2x the loop's time
+ACCELERATOR_FEATURES = (2, 3)  # off the CPU, the program runs on points of these many features, each one written
+# out (_Split); TPU v5e, N = 32768, RBF's K @ v took 3.3 ms (the vmap form 5.4) at D = 2, 4.2 (6.7) at 3; at 1
+# and 4 about the same
 
 _ELEMENTWISE = frozenset(
     "abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp complex conj convert_element_type copy "
@@ -556,6 +567,38 @@ _ELEMENTWISE = frozenset(
     "lgamma log log1p logistic lt max min mul ne neg nextafter not or pow real reduce_precision rem round rsqrt "
     "select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square sub tan tanh xor".split()
 )
+
+
+def _pair_program_runs(dim):
+    """Whether blocks of points with ``dim`` features may come from the pair program here."""
+    return PAIR_PROGRAM and (jax.default_backend() == "cpu" or dim in ACCELERATOR_FEATURES)
+
+
+def _split_features_max():
+    """The most features a value of both points is written out in (_Split): past it, the CPU's loop (_Looped).
+    An accelerator has no loop: there each feature of the loop would be a pass over memory."""
+    return SPLIT_FEATURES_MAX if jax.default_backend() == "cpu" else max(ACCELERATOR_FEATURES)
+
+
+def _pair_program_forward(kernel, xa, xb, transposed):
+    """The pair program's block, differentiated as the vmap form (jvp, grad, hessian alike); None where the
+    program does not apply. On a TPU v5e, XLA compiled one gradient of the program's block for minutes (a kernel
+    of several transcendental functions, D = 2), and at D = 8 ran it 3.3x slower than the vmap form's."""
+    if jax.eval_shape(lambda a, b: _pair_program_block(kernel, a, b, transposed), xa, xb) is None:
+        return None
+    pair, consts = jax.closure_convert(lambda x, y: kernel(x, y), *((xb[0], xa[0]) if transposed else (xa[0], xb[0])))
+    return _forward_block(pair, transposed, xa, xb, *consts)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _forward_block(pair, transposed, xa, xb, *consts):
+    return _pair_program_block(lambda x, y: pair(x, y, *consts), xa, xb, transposed)
+
+
+@_forward_block.defjvp
+def _forward_block_jvp(pair, transposed, primals, tangents):
+    vmapped = lambda xa, xb, *consts: _vmap_block(lambda x, y: pair(x, y, *consts), xa, xb, transposed)  # noqa: E731
+    return jax.jvp(vmapped, primals, tangents)
 
 
 class _Split:
@@ -682,16 +725,16 @@ def _equation_key(eqn, args):
 
 
 def _elementwise(eqn, args):
-    """An elementwise equation: per feature on a value of both points with 1 to SPLIT_FEATURES_MAX features,
-    feature by feature when summed on one with more (_Looped), else on the arguments broadcast against each
-    other."""
-    shape = eqn.outvars[0].aval.shape
-    if _of_both(args) and shape and 0 < math.prod(shape) <= SPLIT_FEATURES_MAX:
+    """An elementwise equation: per feature on a value of both points with 1 to ``_split_features_max()``
+    features, feature by feature when summed on one with more on CPU (_Looped), else on the arguments broadcast
+    against each other."""
+    shape, split = eqn.outvars[0].aval.shape, _split_features_max()
+    if _of_both(args) and shape and 0 < math.prod(shape) <= split:
         parts = np.empty(shape, object)
         for index in np.ndindex(shape):
             (parts[index],) = _bind_broadcast(eqn, [_feature(a, index) for a in args])
         return [_Split(parts)]
-    if _of_both(args) and len(shape) == 1 and shape[0] > SPLIT_FEATURES_MAX:
+    if _of_both(args) and len(shape) == 1 and shape[0] > split and jax.default_backend() == "cpu":
         sources = [_features_of(a) for a in args]
         feature = lambda i: _bind_broadcast(eqn, [f(i) for f in sources])[0]  # noqa: E731
         name, power = eqn.primitive.name, eqn.params.get("y")
@@ -734,7 +777,10 @@ def _split_sum(eqn, args, run):
         return [_sum_of_squares(eqn, run, a.size, a.square_of, a.feature)]
     if not isinstance(a, _Split):
         return None
-    total = np.sum(a.parts, axis=tuple(eqn.params["axes"]))
+    axes = tuple(eqn.params["axes"])
+    if len(axes) == a.parts.ndim:
+        return [_pairwise(list(a.parts.flat))]
+    total = np.sum(a.parts, axis=axes)
     if isinstance(total, np.ndarray):
         return [_Split(total) if total.ndim else total[()]]
     return [total]
@@ -755,7 +801,7 @@ def _split_dot(eqn, args, run):
             return [_sum_of_squares(eqn, run, size, getattr(x, "difference", None), _squared(_features_of(x)))]
         x, y = _features_of(x), _features_of(y)
         return [_looped_sum(size, lambda i: x(i) * y(i))]
-    return [sum(_feature(x, (d,)) * _feature(y, (d,)) for d in range(inputs[0].shape[0]))]
+    return [_pairwise([_feature(x, (d,)) * _feature(y, (d,)) for d in range(inputs[0].shape[0])])]
 
 
 _RULES = {  # primitive name -> rule(eqn, block values) -> outputs, or None: vmap the equation
@@ -1207,7 +1253,7 @@ def block_evaluation(kernel: PairKernel, dim: int, dtype=jnp.float32) -> str:
     """
     a, b = _probe_blocks(dim, dtype)
     vmapped = set()
-    if PAIR_PROGRAM and jax.default_backend() == "cpu":
+    if _pair_program_runs(dim):
         if jax.eval_shape(functools.partial(_pair_program_block, kernel, vmapped=vmapped), a, b) is not None:
             return "pair program" + (f" (by vmap: {', '.join(sorted(vmapped))})" if vmapped else "")
     return "cross_covariance" if hasattr(kernel, "cross_covariance") else "vmap"
@@ -1490,7 +1536,14 @@ def _peak_key(op, width, dtype):
     if kernel is None:
         kernel = str(_kernel_program(op))
     shapes = (_spec(op.x1), _spec(op.x2), width, jnp.dtype(dtype))
-    switches = (PAIR_PROGRAM, SPLIT_FEATURES_MAX, SUM_CHUNK, WIDE_GEMM_FEATURES_MIN, GEMM_FEATURES_MIN)
+    switches = (
+        PAIR_PROGRAM,
+        SPLIT_FEATURES_MAX,
+        ACCELERATOR_FEATURES,
+        SUM_CHUNK,
+        WIDE_GEMM_FEATURES_MIN,
+        GEMM_FEATURES_MIN,
+    )
     switches += (CONTRACTION_CHUNK, jax.config.jax_default_matmul_precision)  # they decide the contraction's program
     return (kernel, shapes, op.transposed, op.checkpoint, jax.default_backend(), switches)
 

@@ -1103,6 +1103,34 @@ def test_zoo_blocks_and_products_match_the_vmap_form(name):
         assert_as_vmap(got, want, dtype, scale=float(np.abs(np.asarray(want)).max(initial=0.0)) * 5)
 
 
+@pytest.mark.parametrize("name", sorted(n for n, (_, dim, _, _) in ZOO.items() if 2 <= dim <= 3))
+def test_accelerators_pair_program_matches_the_vmap_form(name, monkeypatch):
+    """An accelerator's blocks on ACCELERATOR_FEATURES features, run here: the pair program with every feature
+    written out (no loop), values as the vmap form, and the vmap form's gradient in the points."""
+    monkeypatch.setattr(lazy_kernel.jax, "default_backend", lambda: "tpu")
+    make, dim, dtype, params = ZOO[name]
+    kernel = make(params)
+    x1, x2 = zoo_points(dim, dtype, seed=len(name))
+    differentiable = jnp.issubdtype(dtype, jnp.inexact)
+    if differentiable:
+        x2 = x2.at[1].add(0.1)  # no near-duplicate: some kernels' derivatives are singular there
+    if dim not in lazy_kernel.ACCELERATOR_FEATURES or lazy_kernel.block_evaluation(kernel, dim, dtype) == "vmap":
+        pytest.skip("the vmap form")
+    assert "while" not in str(jax.make_jaxpr(functools.partial(kernel_block, kernel))(x1, x2))
+
+    def forms(x1):
+        blocks = kernel_block(kernel, x1, x2), lazy_kernel._vmap_block(kernel, x1, x2)
+        if not differentiable:
+            return blocks
+        pullbacks = [jax.vjp(lambda a, f=f: f(kernel, a, x2), x1)[1] for f in (kernel_block, lazy_kernel._vmap_block)]
+        return *blocks, *(pullback(jnp.cos(blocks[1]))[0] for pullback in pullbacks)
+
+    fast, vmapped, *gradients = jax.jit(forms)(x1)
+    assert_as_vmap(fast, vmapped, dtype)
+    if gradients:
+        assert_as_vmap(*gradients, dtype, scale=float(np.abs(np.asarray(gradients[1])).max(initial=0.0)) * 5)
+
+
 DERIVATIVE_ZOO = [
     "rbf-sum-D3-float64",
     "rbf-sum-D2-float64",
@@ -1170,11 +1198,14 @@ def test_zoo_hessians_match_the_vmap_form(name):
     assert_as_vmap(hessian(lazy), hessian(lazy_kernel._vmap_block), dtype)
 
 
-def test_which_path_blocks_take(device):
-    on_cpu = jax.default_backend() == "cpu"
-    pair = "pair program" if on_cpu else "vmap"
-    assert lazy_kernel.block_evaluation(RBF(), 3) == pair
-    assert lazy_kernel.block_evaluation(skewed, 3) == pair
+@pytest.mark.parametrize("backend", ["cpu", "tpu"])
+def test_which_path_blocks_take(backend, monkeypatch):
+    """On CPU the pair program takes every D; on an accelerator, D in ACCELERATOR_FEATURES."""
+    monkeypatch.setattr(lazy_kernel.jax, "default_backend", lambda: backend)
+    on_cpu, few = backend == "cpu", max(lazy_kernel.ACCELERATOR_FEATURES)
+    pair = "pair program"
+    assert lazy_kernel.block_evaluation(RBF(), few) == lazy_kernel.block_evaluation(skewed, few) == pair
+    assert lazy_kernel.block_evaluation(RBF(), few + 1) == (pair if on_cpu else "vmap")
     sorting = ZOO["sorted-D6-float64"][0](None)
     assert lazy_kernel.block_evaluation(sorting, 6) == ("pair program (by vmap: sort)" if on_cpu else "vmap")
     debug = ZOO["debug-print-D3-float64"][0](None)
@@ -1192,22 +1223,20 @@ def test_which_path_blocks_take(device):
 
     class OtherConstant(VmapCrossCovariance):  # the same program with another constant: its own
         def cross_covariance(self, a, b):
-            return VmapCrossCovariance(jnp.asarray([1.0, 2.0, 3.0])).cross_covariance(a, b)
+            return VmapCrossCovariance(jnp.asarray([1.0, 2.0, 3.0])[:few]).cross_covariance(a, b)
 
-    same = jnp.asarray([4.0, 5.0, 6.0])
-    assert lazy_kernel.block_evaluation(VmapCrossCovariance(same), 3) == pair
-    assert lazy_kernel.block_evaluation(OtherConstant(same), 3) == "cross_covariance"
+    same = jnp.asarray([4.0, 5.0, 6.0])[:few]
+    assert lazy_kernel.block_evaluation(VmapCrossCovariance(same), few) == pair
+    assert lazy_kernel.block_evaluation(OtherConstant(same), few) == "cross_covariance"
     jitted = VmapCrossCovariance(same)
     jitted.cross_covariance = jax.jit(jitted.cross_covariance)  # a different program: used as it is
-    assert lazy_kernel.block_evaluation(jitted, 3) == "cross_covariance"
+    assert lazy_kernel.block_evaluation(jitted, few) == "cross_covariance"
 
 
 def test_gpjax_kernels_take_the_pair_program_without_fallbacks(device):
     gpjax = pytest.importorskip("gpjax", reason="gpjax is in the 'interop' extra")
-    if jax.default_backend() != "cpu":
-        pytest.skip("the pair program runs on CPU")
     for kernel in (gpjax.kernels.RBF(), gpjax.kernels.Matern52(), gpjax.kernels.Periodic(), gpjax.kernels.Linear()):
-        assert lazy_kernel.block_evaluation(kernel, 3) == "pair program", kernel
+        assert lazy_kernel.block_evaluation(kernel, max(lazy_kernel.ACCELERATOR_FEATURES)) == "pair program", kernel
 
 
 @pytest.mark.parametrize("dim", [lazy_kernel.GEMM_FEATURES_MIN - 1, lazy_kernel.GEMM_FEATURES_MIN])
