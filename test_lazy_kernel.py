@@ -689,6 +689,8 @@ def test_budget_bounds_the_peak(kernel_name, dim, device):
     alone, and every input's (x2's cotangent is summed over the blocks)."""
     # no block divides M or N; the budget holds a few blocks of the fastest size, so that the block must shrink (a
     # TPU pads each block to whole tiles: one row of a [307, 211] gradient needed 0.37 MiB there)
+    if device.platform == "cpu" and kernel_name == "rbf":
+        pytest.skip("on CPU, RBF at D = 2 takes pair-1's form (tested); an accelerator's subset has it")
     m, n, budget_mb = (307, 211, 0.25) if device.platform == "cpu" else (3001, 2011, 4)
     rng = np.random.default_rng(14)
     x1, x2 = points(rng, m, dim, jnp.float32), points(rng, n, dim, jnp.float32)
