@@ -1105,7 +1105,9 @@ def test_zoo_blocks_and_products_match_the_vmap_form(name):
         assert_as_vmap(got, want, dtype, scale=float(np.abs(np.asarray(want)).max(initial=0.0)) * 5)
 
 
-@pytest.mark.parametrize("name", sorted(n for n, (_, dim, _, _) in ZOO.items() if 2 <= dim <= 3))
+@pytest.mark.parametrize(
+    "name", sorted(n for n, (_, dim, _, _) in ZOO.items() if dim in lazy_kernel.ACCELERATOR_FEATURES)
+)
 def test_accelerators_pair_program_matches_the_vmap_form(name, monkeypatch):
     """An accelerator's blocks on ACCELERATOR_FEATURES features, run here: the pair program with every feature
     written out (no loop), values as the vmap form, and the vmap form's gradient in the points."""
@@ -1116,7 +1118,7 @@ def test_accelerators_pair_program_matches_the_vmap_form(name, monkeypatch):
     differentiable = jnp.issubdtype(dtype, jnp.inexact)
     if differentiable:
         x2 = x2.at[1].add(0.1)  # no near-duplicate: some kernels' derivatives are singular there
-    if dim not in lazy_kernel.ACCELERATOR_FEATURES or lazy_kernel.block_evaluation(kernel, dim, dtype) == "vmap":
+    if lazy_kernel.block_evaluation(kernel, dim, dtype) == "vmap":
         pytest.skip("the vmap form")
     assert "while" not in str(jax.make_jaxpr(functools.partial(kernel_block, kernel))(x1, x2))
 
@@ -1204,8 +1206,7 @@ def test_zoo_hessians_match_the_vmap_form(name):
 def test_which_path_blocks_take(backend, monkeypatch):
     """On CPU the pair program takes every D; on an accelerator, D in ACCELERATOR_FEATURES."""
     monkeypatch.setattr(lazy_kernel.jax, "default_backend", lambda: backend)
-    on_cpu, few = backend == "cpu", max(lazy_kernel.ACCELERATOR_FEATURES)
-    pair = "pair program"
+    on_cpu, few, pair = backend == "cpu", max(lazy_kernel.ACCELERATOR_FEATURES), "pair program"
     assert lazy_kernel.block_evaluation(RBF(), few) == lazy_kernel.block_evaluation(skewed, few) == pair
     assert lazy_kernel.block_evaluation(RBF(), few + 1) == (pair if on_cpu else "vmap")
     sorting = ZOO["sorted-D6-float64"][0](None)
