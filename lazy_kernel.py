@@ -584,7 +584,7 @@ def _pair_program_forward(kernel, xa, xb, transposed):
     """The pair program's block, differentiated as the vmap form (jvp, grad, hessian alike); None where the
     program does not apply. On a TPU v5e, XLA compiled one gradient of the program's block for minutes (a kernel
     of several transcendental functions, D = 2), and at D = 8 ran it 3.3x slower than the vmap form's."""
-    if jax.eval_shape(lambda a, b: _pair_program_block(kernel, a, b, transposed), xa, xb) is None:
+    if _pair_program(kernel, xa, xb, transposed) is None:
         return None
     pair, consts = jax.closure_convert(lambda x, y: kernel(x, y), *((xb[0], xa[0]) if transposed else (xa[0], xb[0])))
     return _forward_block(pair, transposed, xa, xb, *consts)
@@ -623,21 +623,26 @@ class _Looped:
 
 def _pair_program_block(kernel, xa, xb, transposed=False, vmapped=None):
     """The block ``kernel_block`` asks for, from the kernel's jaxpr run on whole blocks; None where the program
-    does not apply.
-
-    It does not apply to empty blocks, to kernels with effects (``jax.debug.print``,
-    say), or to a kernel whose own ``cross_covariance`` is more than the vmap form.
-    ``vmapped``, a set, collects the equations vmapped on values of both points.
-    """
-    if not (xa.shape[0] and xb.shape[0]) or not _vmap_or_no_cross_covariance(kernel, xa, xb):
+    does not apply (see _pair_program). ``vmapped``, a set, collects the equations vmapped on values of both
+    points."""
+    program = _pair_program(kernel, xa, xb, transposed)
+    if program is None:
         return None
     rows, cols = xa[:, None, :], xb[None, :, :]  # [b, 1, D] and [1, n, D]: values of x alone, of y alone
     first, second = (cols, rows) if transposed else (rows, cols)
-    program = jax.make_jaxpr(lambda x, y: kernel(x, y))(first[0, 0], second[0, 0])  # __name__ may not be a str
-    if program.jaxpr.effects:
-        return None
     run = _Run(program, _scaled_inputs(first, second), set() if vmapped is None else vmapped)
     return jnp.broadcast_to(run.value(), (xa.shape[0], xb.shape[0]))
+
+
+def _pair_program(kernel, xa, xb, transposed):
+    """The kernel's program on one pair of points; None where the pair program does not apply: to empty blocks,
+    to kernels with effects (``jax.debug.print``, say), or to a kernel whose own ``cross_covariance`` is more
+    than the vmap form."""
+    if not (xa.shape[0] and xb.shape[0]) or not _vmap_or_no_cross_covariance(kernel, xa, xb):
+        return None
+    pair = (xb[0], xa[0]) if transposed else (xa[0], xb[0])
+    program = jax.make_jaxpr(lambda x, y: kernel(x, y))(*pair)  # __name__ may not be a str
+    return None if program.jaxpr.effects else program
 
 
 class _Run:

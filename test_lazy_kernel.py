@@ -1247,7 +1247,7 @@ def test_squared_distances_take_the_gemm_from_gemm_features_min(dim, monkeypatch
     """Differences scaled after or before they are taken, squared by ``*``, ``**`` or a dot, reach the GEMM (whose
     accuracy test_as_accurate_as_the_vmap_form checks at D = 256) from GEMM_FEATURES_MIN features on."""
     if jax.default_backend() != "cpu":
-        pytest.skip("the pair program runs on CPU")
+        pytest.skip("the GEMMs run in the pair program on CPU only")
     original, calls = lazy_kernel._squared_distance, []
     monkeypatch.setattr(lazy_kernel, "_squared_distance", lambda *args: calls.append(args) or original(*args))
     ls = jnp.linspace(0.5, 1.5, dim, dtype=jnp.float32)
@@ -1276,7 +1276,7 @@ def test_float32_distances_take_the_float64_gemm_where_the_kernel_takes_its_erro
     near the origin come from the float64 GEMM (the loop, made NaN here, is not taken) and match the dense
     matrix; points 10^5 lengthscales out, and Matern 1/2 (whose derivative a d^2 error moves most), take the loop."""
     if jax.default_backend() != "cpu":
-        pytest.skip("the pair program runs on CPU")
+        pytest.skip("the GEMMs run in the pair program on CPU only")
     if not lazy_kernel._float64_in_traces():
         pytest.skip("the float64 GEMM runs from JAX 0.8")
     monkeypatch.setattr(lazy_kernel, "_looped_sum", lambda size, feature: jnp.full_like(feature(0), jnp.nan))
