@@ -22,7 +22,8 @@ keeps what it traced), each entered from the core only at the functions named:
 
 4. ``PAIR_PROGRAM``: on CPU, blocks from the kernel's own program run on
    whole blocks (``_pair_program_block``): the vmap form's accuracy, faster;
-   on an accelerator at D in ``ACCELERATOR_FEATURES``, for values only.
+   on an accelerator at D in ``ACCELERATOR_FEATURES`` for values only, and
+   from ``GEMM_FEATURES_MIN`` where squared distances come from the GEMM.
 5. ``MEASURED_BLOCKS``: the block size from XLA's measured peak of the program
    that runs, so that the budget bounds the real memory, gradients included
    (``_measured_product`` for products; ``_measured_block`` and
@@ -139,8 +140,7 @@ def _block(kernel, xa, xb, transposed):
     ``cross_covariance`` fills blocks of K only, so a block of K.T is one of K, which the engine contracts as it
     is (transposing it first took twice the time)."""
     if _pair_program_runs(xa.shape[1]):
-        on_cpu = jax.default_backend() == "cpu"
-        block = (_pair_program_block if on_cpu else _pair_program_forward)(kernel, xa, xb, transposed)
+        block = _pair_program_here(kernel, xa, xb, transposed)
         if block is not None:
             return block, False
     if hasattr(kernel, "cross_covariance"):
@@ -550,7 +550,10 @@ def _warn_on_derivative(primals, tangents):
 # unit's lanes, mostly empty at small D. There the program runs at D in
 # ACCELERATOR_FEATURES, every feature written out (a loop would be a pass over
 # memory per feature), for values only: its derivatives are the vmap form's
-# (``_pair_program_forward``).
+# (``_pair_program_forward``). From GEMM_FEATURES_MIN it runs where a sum of
+# squares is the GEMM (``_squared_distance``), differentiated as it is, its
+# other sums over features taken at once on [b, n, D] values, as the vmap form
+# takes them; elsewhere a block is the vmap form.
 
 SPLIT_FEATURES_MAX = 2  # bench_lazy_kernel.py --split: from 3 features on, the loop was faster
 SUM_CHUNK = 4  # features summed pairwise per step of the loop (_looped_sum; bench_lazy_kernel.py --chunks)
@@ -571,7 +574,20 @@ _ELEMENTWISE = frozenset(
 
 def _pair_program_runs(dim):
     """Whether blocks of points with ``dim`` features may come from the pair program here."""
-    return PAIR_PROGRAM and (jax.default_backend() == "cpu" or dim in ACCELERATOR_FEATURES)
+    on_cpu = jax.default_backend() == "cpu"
+    return PAIR_PROGRAM and (on_cpu or dim in ACCELERATOR_FEATURES or dim >= GEMM_FEATURES_MIN)
+
+
+def _by_gemm_only(dim):
+    """Whether the pair program's block is taken here only where a squared distance is the GEMM."""
+    return jax.default_backend() != "cpu" and dim not in ACCELERATOR_FEATURES
+
+
+def _pair_program_here(kernel, xa, xb, transposed):
+    """The pair program's block as this backend takes it (see _pair_program_runs); None where it does not."""
+    if jax.default_backend() != "cpu" and xa.shape[1] in ACCELERATOR_FEATURES:
+        return _pair_program_forward(kernel, xa, xb, transposed)
+    return _pair_program_block(kernel, xa, xb, transposed, by_gemm_only=_by_gemm_only(xa.shape[1]))
 
 
 def _split_features_max():
@@ -621,17 +637,20 @@ class _Looped:
         self.difference, self.square_of = difference, square_of
 
 
-def _pair_program_block(kernel, xa, xb, transposed=False, vmapped=None):
+def _pair_program_block(kernel, xa, xb, transposed=False, vmapped=None, by_gemm_only=False):
     """The block ``kernel_block`` asks for, from the kernel's jaxpr run on whole blocks; None where the program
-    does not apply (see _pair_program). ``vmapped``, a set, collects the equations vmapped on values of both
-    points."""
+    does not apply (see _pair_program), or, ``by_gemm_only``, where no squared distance is the GEMM. ``vmapped``,
+    a set, collects the equations vmapped on values of both points."""
     program = _pair_program(kernel, xa, xb, transposed)
     if program is None:
         return None
     rows, cols = xa[:, None, :], xb[None, :, :]  # [b, 1, D] and [1, n, D]: values of x alone, of y alone
     first, second = (cols, rows) if transposed else (rows, cols)
     run = _Run(program, _scaled_inputs(first, second), set() if vmapped is None else vmapped)
-    return jnp.broadcast_to(run.value(), (xa.shape[0], xb.shape[0]))
+    value = run.value()
+    if by_gemm_only and not run.by_gemm:
+        return None
+    return jnp.broadcast_to(value, (xa.shape[0], xb.shape[0]))
 
 
 def _pair_program(kernel, xa, xb, transposed):
@@ -651,6 +670,7 @@ class _Run:
 
     def __init__(self, program, inputs, vmapped, given=None):
         self.program, self.inputs, self.vmapped, self.given = program, inputs, vmapped, given or {}
+        self.by_gemm = False  # whether a squared distance is the GEMM (_squared_distance)
 
     def value(self):
         """The block, [B, N] with B in {1, b} and N in {1, n}."""
@@ -731,7 +751,7 @@ def _equation_key(eqn, args):
 
 def _elementwise(eqn, args):
     """An elementwise equation: per feature on a value of both points with 1 to ``_split_features_max()``
-    features, feature by feature when summed on one with more on CPU (_Looped), else on the arguments broadcast
+    features, feature by feature when summed on one with more (_Looped), else on the arguments broadcast
     against each other."""
     shape, split = eqn.outvars[0].aval.shape, _split_features_max()
     if _of_both(args) and shape and 0 < math.prod(shape) <= split:
@@ -739,7 +759,7 @@ def _elementwise(eqn, args):
         for index in np.ndindex(shape):
             (parts[index],) = _bind_broadcast(eqn, [_feature(a, index) for a in args])
         return [_Split(parts)]
-    if _of_both(args) and len(shape) == 1 and shape[0] > split and jax.default_backend() == "cpu":
+    if _of_both(args) and len(shape) == 1 and shape[0] > split:
         sources = [_features_of(a) for a in args]
         feature = lambda i: _bind_broadcast(eqn, [f(i) for f in sources])[0]  # noqa: E731
         name, power = eqn.primitive.name, eqn.params.get("y")
@@ -779,7 +799,7 @@ def _split_sum(eqn, args, run):
     """``reduce_sum`` of a _Split: a sum of [b, n] arrays; of a _Looped: their sum in a loop."""
     (a,) = args
     if isinstance(a, _Looped):
-        return [_sum_of_squares(eqn, run, a.size, a.square_of, a.feature)]
+        return [_sum_of_squares(eqn, run, a.size, a.square_of, a.feature, a.dense)]
     if not isinstance(a, _Split):
         return None
     axes = tuple(eqn.params["axes"])
@@ -803,9 +823,11 @@ def _split_dot(eqn, args, run):
     if not any(isinstance(a, _Split) for a in args):
         size = inputs[0].shape[0]
         if x is y:
-            return [_sum_of_squares(eqn, run, size, getattr(x, "difference", None), _squared(_features_of(x)))]
+            square = lambda: jax.lax.integer_pow(_dense(x), 2)  # noqa: E731
+            return [_sum_of_squares(eqn, run, size, getattr(x, "difference", None), _squared(_features_of(x)), square)]
+        product = lambda: _dense(x) * _dense(y)  # noqa: E731
         x, y = _features_of(x), _features_of(y)
-        return [_looped_sum(size, lambda i: x(i) * y(i))]
+        return [_feature_sum(size, lambda i: x(i) * y(i), product)]
     return [_pairwise([_feature(x, (d,)) * _feature(y, (d,)) for d in range(inputs[0].shape[0])])]
 
 
@@ -853,13 +875,25 @@ def _squared(feature):
     return lambda i: jax.lax.integer_pow(feature(i), 2)
 
 
-def _sum_of_squares(eqn, run, size, square_of, feature):
-    """The sum of ``feature(i)``, i < size, the output of ``eqn``. Where it is the square of ``steps(x - y)``
-    (``square_of``, the two _Scaled points): from GEMM_FEATURES_MIN features by the GEMM (_squared_distance); of
-    float32 points from WIDE_GEMM_FEATURES_MIN features by the float64 GEMM, if the kernel's value is a function
-    of this sum alone (below GEMM_FEATURES_MIN, and where the GEMM falls back). Else in a loop."""
-    exact = functools.partial(_looped_sum, size, feature)
+def _feature_sum(size, feature, dense):
+    """The sum over features of a value of both points: of ``feature(i)``, i < size, in a loop on CPU; on an
+    accelerator of ``dense()``, its [b, n, D] values, at once (a loop there is a pass over memory per feature)."""
+    return _looped_sum(size, feature) if jax.default_backend() == "cpu" else jnp.sum(dense(), 2)
+
+
+def _sum_of_squares(eqn, run, size, square_of, feature, dense):
+    """The sum of ``feature(i)``, i < size (``dense()``: all of them), the output of ``eqn``. Where it is the
+    square of ``steps(x - y)`` (``square_of``, the two _Scaled points): from GEMM_FEATURES_MIN features by the
+    GEMM (_squared_distance; on an accelerator float32 points only); on CPU, of float32 points from
+    WIDE_GEMM_FEATURES_MIN features by the float64 GEMM, if the kernel's value is a function of this sum alone
+    (below GEMM_FEATURES_MIN, and where the GEMM falls back). Else as _feature_sum."""
+    exact = functools.partial(_feature_sum, size, feature, dense)
     dtype = None if square_of is None else square_of[0].point.dtype
+    if jax.default_backend() != "cpu":  # no fast float64: the float32 GEMM or the sum
+        if size < GEMM_FEATURES_MIN or dtype != jnp.float32 or run.given:
+            return exact()
+        run.by_gemm = True
+        return _squared_distance(*square_of, exact)
     if dtype == jnp.float32 and size >= WIDE_GEMM_FEATURES_MIN and not run.given and _float64_in_traces():
         tail = run.tail(eqn)
         if tail is not None:
@@ -990,9 +1024,11 @@ def _squared_distance(first, second, exact):
     points wherever its error bound is within 4x the direct sum's; ``exact()`` (the direct sum) otherwise.
 
     The GEMM's d^2 has an error bound of about eps (|a|^2 + |b|^2 + 2 |a| |b|) <= 2 eps (|a|^2 + |b|^2), the
-    direct sum's eps d^2: so the GEMM vouches for a pair where d^2 >= (|a|^2 + |b|^2) / 2. One pair in a row
-    that it cannot vouch for (a duplicate point, say) is recomputed directly; a block with a row with more
-    falls back to ``exact()`` (under ``vmap``, both run).
+    direct sum's eps d^2: so the GEMM vouches for a pair where d^2 >= (|a|^2 + |b|^2) / 2. Two pairs in a row
+    that it cannot vouch for (a duplicate point and a near one, say) are recomputed directly; a block with a
+    row with more falls back to ``exact()``, recomputed in reverse mode (under ``vmap``, both run). At D = 128,
+    Gaussian points (bench_lazy_kernel.py --gemm's lengthscales) had 0.5% of rows with two and 0.009% with
+    three: in 60 and 3 of 64 blocks of 512 rows.
     """
     rows, cols = _rows_and_columns(first, second)
     x, y = rows.point[:, 0], cols.point[0]  # [b, D] and [n, D]
@@ -1004,11 +1040,15 @@ def _squared_distance(first, second, exact):
 
     def repaired():
         column = jax.lax.broadcasted_iota(jnp.int32, squared.shape, 1)
-        partner = jnp.max(jnp.where(unvouched, column, 0), axis=1)
-        direct = rows.scaling(rows.point - y[partner][:, None])  # [b, 1, D]: each row with its partner
-        return jnp.where(column == partner[:, None], jnp.sum(direct * direct, 2), jnp.maximum(squared, 0))
+        last = jnp.max(jnp.where(unvouched, column, 0), axis=1)
+        first = jnp.min(jnp.where(unvouched, column, last[:, None]), axis=1)
+        repaired = jnp.maximum(squared, 0)
+        for partner in (last, first):
+            direct = rows.scaling(rows.point - y[partner][:, None])  # [b, 1, D]: each row with its partner
+            repaired = jnp.where(column == partner[:, None], jnp.sum(direct * direct, 2), repaired)
+        return repaired
 
-    return jax.lax.cond(jnp.any(jnp.sum(unvouched, 1) > 1), exact, repaired)
+    return jax.lax.cond(jnp.any(jnp.sum(unvouched, 1) > 2), jax.checkpoint(exact), repaired)
 
 
 def _looped_sum(size, feature):
@@ -1259,7 +1299,8 @@ def block_evaluation(kernel: PairKernel, dim: int, dtype=jnp.float32) -> str:
     a, b = _probe_blocks(dim, dtype)
     vmapped = set()
     if _pair_program_runs(dim):
-        if jax.eval_shape(functools.partial(_pair_program_block, kernel, vmapped=vmapped), a, b) is not None:
+        block = functools.partial(_pair_program_block, kernel, vmapped=vmapped, by_gemm_only=_by_gemm_only(dim))
+        if jax.eval_shape(block, a, b) is not None:
             return "pair program" + (f" (by vmap: {', '.join(sorted(vmapped))})" if vmapped else "")
     return "cross_covariance" if hasattr(kernel, "cross_covariance") else "vmap"
 

@@ -1204,11 +1204,18 @@ def test_zoo_hessians_match_the_vmap_form(name):
 
 @pytest.mark.parametrize("backend", ["cpu", "tpu"])
 def test_which_path_blocks_take(backend, monkeypatch):
-    """On CPU the pair program takes every D; on an accelerator, D in ACCELERATOR_FEATURES."""
+    """On CPU the pair program takes every D; on an accelerator, D in ACCELERATOR_FEATURES, and from
+    GEMM_FEATURES_MIN kernels whose squared distances of float32 points it takes by the GEMM."""
     monkeypatch.setattr(lazy_kernel.jax, "default_backend", lambda: backend)
     on_cpu, few, pair = backend == "cpu", max(lazy_kernel.ACCELERATOR_FEATURES), "pair program"
     assert lazy_kernel.block_evaluation(RBF(), few) == lazy_kernel.block_evaluation(skewed, few) == pair
     assert lazy_kernel.block_evaluation(RBF(), few + 1) == (pair if on_cpu else "vmap")
+    many = lazy_kernel.GEMM_FEATURES_MIN
+    assert lazy_kernel.block_evaluation(RBF(), many) == pair
+    assert lazy_kernel.block_evaluation(RBF(), many, jnp.float64) == (pair if on_cpu else "vmap")
+    assert lazy_kernel.block_evaluation(functools.partial(scaled_laplace, scale=1.3), many) == (
+        pair if on_cpu else "vmap"
+    )
     sorting = ZOO["sorted-D6-float64"][0](None)
     assert lazy_kernel.block_evaluation(sorting, 6) == ("pair program (by vmap: sort)" if on_cpu else "vmap")
     debug = ZOO["debug-print-D3-float64"][0](None)
@@ -1242,12 +1249,14 @@ def test_gpjax_kernels_take_the_pair_program_without_fallbacks(device):
         assert lazy_kernel.block_evaluation(kernel, max(lazy_kernel.ACCELERATOR_FEATURES)) == "pair program", kernel
 
 
+@pytest.mark.parametrize("backend", ["here", "tpu"])
 @pytest.mark.parametrize("dim", [lazy_kernel.GEMM_FEATURES_MIN - 1, lazy_kernel.GEMM_FEATURES_MIN])
-def test_squared_distances_take_the_gemm_from_gemm_features_min(dim, monkeypatch, device):
+def test_squared_distances_take_the_gemm_from_gemm_features_min(dim, backend, monkeypatch, device):
     """Differences scaled after or before they are taken, squared by ``*``, ``**`` or a dot, reach the GEMM (whose
-    accuracy test_as_accurate_as_the_vmap_form checks at D = 256) from GEMM_FEATURES_MIN features on."""
-    if jax.default_backend() != "cpu":
-        pytest.skip("the GEMMs run in the pair program on CPU only")
+    accuracy test_as_accurate_as_the_vmap_form checks at D = 256) from GEMM_FEATURES_MIN features on, on CPU and
+    on an accelerator (faked here)."""
+    if backend != "here":
+        monkeypatch.setattr(lazy_kernel.jax, "default_backend", lambda: backend)
     original, calls = lazy_kernel._squared_distance, []
     monkeypatch.setattr(lazy_kernel, "_squared_distance", lambda *args: calls.append(args) or original(*args))
     ls = jnp.linspace(0.5, 1.5, dim, dtype=jnp.float32)
@@ -1340,6 +1349,38 @@ def test_gemm_blocks_match_the_dense_matrix(dtype, device):
     lazy, dense = run(x1, x2, ls, False), run(*(a.astype(jnp.float64) for a in (x1, x2, ls)), True)
     for got, want in zip(jax.tree_util.tree_leaves(lazy), jax.tree_util.tree_leaves(dense), strict=True):
         assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "tpu"])
+def test_gemm_repairs_two_pairs_per_row(backend, monkeypatch):
+    """A duplicate and a near-duplicate in the same row are both recomputed directly: the block takes the GEMM
+    (the exact sum, made NaN here, is not taken) and matches the dense matrix, values and gradients; a third
+    near point in a row sends the block to the exact sum. On CPU float64 points (float32 ones take the float64
+    GEMM first); on an accelerator (faked) float32."""
+    dtype = jnp.float64 if backend == "cpu" else jnp.float32
+    monkeypatch.setattr(lazy_kernel.jax, "default_backend", lambda: backend)
+    monkeypatch.setattr(lazy_kernel, "_feature_sum", lambda size, feature, dense: jnp.full_like(feature(0), jnp.nan))
+    dim = lazy_kernel.GEMM_FEATURES_MIN
+    rng = np.random.default_rng(11)
+    ls = np.linspace(0.5, 1.5, dim)
+    x1 = 10 * ls + rng.normal(size=(6, dim)) * ls / np.sqrt(dim)  # K of order 1, off the origin
+    x2 = np.concatenate([x1[:3], x1[:3] + 1e-3 * rng.normal(size=(3, dim)) * ls / np.sqrt(dim)])
+    x2 = np.concatenate([x2, 10 * ls + rng.normal(size=(4, dim)) * ls / np.sqrt(dim)])
+    x1, x2, ls = (jnp.asarray(a, dtype) for a in (x1, x2, ls))
+    v = jnp.asarray(rng.normal(size=10), dtype)
+
+    def product_and_gradient(x1, x2, ls, dense):
+        matrix = lambda x1, ls: (
+            rbf_dense_jnp(x1, x2, ls, 1.3) if dense else LazyKernel(RBF(ls, 1.3), x1, x2, checkpoint=True)
+        )  # noqa: E731
+        return matrix(x1, ls) @ v, jax.grad(lambda x1, ls: jnp.sum(jnp.sin(matrix(x1, ls) @ v)), (0, 1))(x1, ls)
+
+    lazy = jax.jit(product_and_gradient, static_argnums=3)(x1, x2, ls, False)
+    dense = product_and_gradient(*(a.astype(jnp.float64) for a in (x1, x2, ls)), True)
+    for got, want in zip(jax.tree_util.tree_leaves(lazy), jax.tree_util.tree_leaves(dense), strict=True):
+        assert_close(got, want, dtype)
+    third = x2.at[-1].set(x1[0] + jnp.asarray(2e-3 * ls / np.sqrt(dim), dtype))
+    assert np.all(np.isnan(LazyKernel(RBF(ls, 1.3), x1, third) @ v))
 
 
 # -- generated kernels: a grammar of the operations kernels use, against the vmap form -----------------
@@ -1675,6 +1716,17 @@ def test_as_accurate_as_the_vmap_form(name, dim, dtype, x64, device, request):
         by_point, by_ls = (weights[:, :, None] * a for a in (dk_dx, dk_dls))  # weighted terms of each pair, [24, 20, D]
         check("dK/dls", fast_grads[0], vmapped_grads[0], by_ls.sum((0, 1)), np.abs(by_ls).sum((0, 1)).max())
         check("dK/dx1", fast_grads[1], vmapped_grads[1], by_point.sum(1), np.abs(by_point).sum(1).max())
+
+
+@pytest.mark.parametrize("x64", [True, False])
+@pytest.mark.parametrize("name", ["rbf-module", "gpjax-Matern52", "matern12-pair"])
+def test_accelerators_gemm_as_accurate_as_the_vmap_form(name, x64, monkeypatch, request):
+    """The oracle test above for an accelerator's blocks (faked here) at GEMM_FEATURES_MIN, float32: squared
+    distances by the GEMM where the rule vouches, repaired pairs and blocks sent to the exact sum."""
+    monkeypatch.setattr(lazy_kernel.jax, "default_backend", lambda: "tpu")
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        test_as_accurate_as_the_vmap_form(name, lazy_kernel.GEMM_FEATURES_MIN, jnp.float32, x64, cpu, request)
 
 
 # -- the sanity check -----------------------------------------------------------
