@@ -1370,9 +1370,9 @@ def test_gemm_repairs_two_pairs_per_row(backend, monkeypatch):
     v = jnp.asarray(rng.normal(size=10), dtype)
 
     def product_and_gradient(x1, x2, ls, dense):
-        matrix = lambda x1, ls: (
-            rbf_dense_jnp(x1, x2, ls, 1.3) if dense else LazyKernel(RBF(ls, 1.3), x1, x2, checkpoint=True)
-        )  # noqa: E731
+        def matrix(x1, ls):
+            return rbf_dense_jnp(x1, x2, ls, 1.3) if dense else LazyKernel(RBF(ls, 1.3), x1, x2, checkpoint=True)
+
         return matrix(x1, ls) @ v, jax.grad(lambda x1, ls: jnp.sum(jnp.sin(matrix(x1, ls) @ v)), (0, 1))(x1, ls)
 
     lazy = jax.jit(product_and_gradient, static_argnums=3)(x1, x2, ls, False)
