@@ -537,6 +537,24 @@ def accelerator_blocks_table(n):
         print(f"| ceiling: exp + matvec | {dim} | {default} | {forward[-1] * 1e3:.1f} | |", flush=True)
 
 
+def accelerator_features_table(n, gpjax):
+    """Off the CPU: blocks with every feature written out (D added to ACCELERATOR_FEATURES) against the vmap
+    form, by D, ratios to the inexact GEMM RBF in the same run."""
+    print("\n## Every feature written out (D in ACCELERATOR_FEATURES) against the vmap form, float32: K @ v at")
+    print(f"## M = N = {n} and the checkpointed gradient at {n // 2}, ratios to the inexact GEMM RBF in the same run\n")
+    print("| D | kernel | written out: K @ v, gradient | vmap form: K @ v, gradient |")
+    print("|---|---|---|---|")
+    made = rbf_and_matern52(gpjax)
+    for dim in (1, 4, 8, 16, 32, 64):
+        rng = np.random.default_rng(0)
+        x = jnp.asarray(rng.normal(size=(n, dim)), jnp.float32)
+        v, ls = jnp.asarray(rng.normal(size=n), jnp.float32), lengthscales(dim)
+        features = set(lazy_kernel.ACCELERATOR_FEATURES)
+        switches = [{"ACCELERATOR_FEATURES": tuple(sorted(f))} for f in (features | {dim}, features - {dim})]
+        for kernel, (written, vmapped) in switched_ratios(made, switches, ls, x, v).items():
+            print(f"| {dim} | {kernel} | {written} | {vmapped} |", flush=True)
+
+
 def machine():
     device = jax.devices()[0]
     cpu = platform.machine()
@@ -566,6 +584,7 @@ def main():
     parser.add_argument("--precision", type=int, metavar="N")
     parser.add_argument("--accelerator", type=int, metavar="N")
     parser.add_argument("--accelerator-blocks", type=int, metavar="N")
+    parser.add_argument("--accelerator-features", type=int, metavar="N")
     args = parser.parse_args()
     if not any(vars(args).values()):
         vars(args).update(CPU_TABLES)
@@ -597,6 +616,8 @@ def main():
         kernels_table(args.accelerator, gpjax, halved_at_256=False)
     if args.accelerator_blocks:
         accelerator_blocks_table(args.accelerator_blocks)
+    if args.accelerator_features:
+        accelerator_features_table(args.accelerator_features, gpjax)
 
 
 if __name__ == "__main__":

@@ -139,10 +139,9 @@ def _block(kernel, xa, xb, transposed):
     """``kernel_block``'s block as it is computed, and whether that is its transpose, [len(xb), len(xa)]: a
     ``cross_covariance`` fills blocks of K only, so a block of K.T is one of K, which the engine contracts as it
     is (transposing it first took twice the time)."""
-    if _pair_program_runs(xa.shape[1]):
-        block = _pair_program_here(kernel, xa, xb, transposed)
-        if block is not None:
-            return block, False
+    block = _pair_program_here(kernel, xa, xb, transposed)
+    if block is not None:
+        return block, False
     if hasattr(kernel, "cross_covariance"):
         return (kernel.cross_covariance(xb, xa), True) if transposed else (kernel.cross_covariance(xa, xb), False)
     return _vmap_block(kernel, xa, xb, transposed), False
@@ -560,9 +559,10 @@ SUM_CHUNK = 4  # features summed pairwise per step of the loop (_looped_sum; ben
 WIDE_GEMM_FEATURES_MIN = 8  # bench_lazy_kernel.py --wide: at D = 4 the loop's K @ v was faster, at 8 slower
 GEMM_FEATURES_MIN = 128  # bench_lazy_kernel.py --gemm: at D = 64, random points had 2.2 pairs per row the GEMM
 # cannot vouch for, so every block fell back to the loop, and took 1.2x the loop's time
-ACCELERATOR_FEATURES = (2, 3)  # off the CPU, the program runs on points of these many features, each one written
-# out (_Split); TPU v5e, N = 32768, RBF's K @ v took 3.3 ms (the vmap form 5.4) at D = 2, 4.2 (6.7) at 3; at 1
-# and 4 about the same
+ACCELERATOR_FEATURES = range(2, 33)  # off the CPU, the program runs on points of these many features, each one
+# written out (_Split); TPU v5e, N = 32768 (bench_lazy_kernel.py --accelerator-features), RBF's K @ v took the
+# vmap form's time times 0.61 and 0.63 at D = 2 and 3, 0.58 at 8, 0.72 at 16, 0.90 at 32 (Matern52's 0.58 to
+# 0.96); at 1 and 4 the same
 
 _ELEMENTWISE = frozenset(
     "abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp complex conj convert_element_type copy "
@@ -572,22 +572,28 @@ _ELEMENTWISE = frozenset(
 )
 
 
-def _pair_program_runs(dim):
-    """Whether blocks of points with ``dim`` features may come from the pair program here."""
-    on_cpu = jax.default_backend() == "cpu"
-    return PAIR_PROGRAM and (on_cpu or dim in ACCELERATOR_FEATURES or dim >= GEMM_FEATURES_MIN)
-
-
-def _by_gemm_only(dim):
-    """Whether the pair program's block is taken here only where a squared distance is the GEMM."""
-    return jax.default_backend() != "cpu" and dim not in ACCELERATOR_FEATURES
+def _pair_program_form(dim):
+    """How blocks of points with ``dim`` features come from the pair program here: ``"whole"`` (the CPU: the
+    program, differentiated as it is), ``"forward"`` (an accelerator at D in ACCELERATOR_FEATURES: values only,
+    see _pair_program_forward), ``"by GEMM"`` (an accelerator from GEMM_FEATURES_MIN: only where a squared
+    distance is the GEMM), or None (the vmap form)."""
+    if not PAIR_PROGRAM:
+        return None
+    if jax.default_backend() == "cpu":
+        return "whole"
+    if dim in ACCELERATOR_FEATURES:
+        return "forward"
+    return "by GEMM" if dim >= GEMM_FEATURES_MIN else None
 
 
 def _pair_program_here(kernel, xa, xb, transposed):
-    """The pair program's block as this backend takes it (see _pair_program_runs); None where it does not."""
-    if jax.default_backend() != "cpu" and xa.shape[1] in ACCELERATOR_FEATURES:
+    """The pair program's block as this backend takes it (_pair_program_form); None where it does not."""
+    form = _pair_program_form(xa.shape[1])
+    if form == "forward":
         return _pair_program_forward(kernel, xa, xb, transposed)
-    return _pair_program_block(kernel, xa, xb, transposed, by_gemm_only=_by_gemm_only(xa.shape[1]))
+    if form is None:
+        return None
+    return _pair_program_block(kernel, xa, xb, transposed, by_gemm_only=form == "by GEMM")
 
 
 def _split_features_max():
@@ -1297,9 +1303,9 @@ def block_evaluation(kernel: PairKernel, dim: int, dtype=jnp.float32) -> str:
     points if any; else ``"cross_covariance"`` or ``"vmap"``.
     """
     a, b = _probe_blocks(dim, dtype)
-    vmapped = set()
-    if _pair_program_runs(dim):
-        block = functools.partial(_pair_program_block, kernel, vmapped=vmapped, by_gemm_only=_by_gemm_only(dim))
+    vmapped, form = set(), _pair_program_form(dim)
+    if form is not None:  # "forward" runs the same block
+        block = functools.partial(_pair_program_block, kernel, vmapped=vmapped, by_gemm_only=form == "by GEMM")
         if jax.eval_shape(block, a, b) is not None:
             return "pair program" + (f" (by vmap: {', '.join(sorted(vmapped))})" if vmapped else "")
     return "cross_covariance" if hasattr(kernel, "cross_covariance") else "vmap"
