@@ -517,7 +517,7 @@ def test_measured_blocks_differentiate_like_the_dense_matrix():
     def dense(lengthscale, variance, x1, x2, v):
         return jnp.sum(jnp.sin(rbf_dense_jnp(x1, x2, lengthscale, variance) @ v))
 
-    jit_outside = {(0,): True, (1,): True, (2, 4): True, (0, 1, 2, 3, 4): True, (3, 4): False}
+    jit_outside = {(1,): True, (2, 4): True, (0, 1, 2, 3, 4): True, (3, 4): False}
     for argnums, outside in jit_outside.items():
         grad = jax.jit(jax.grad(loss, argnums)) if outside else jax.grad(jax.jit(loss), argnums)
         for got, want in zip(grad(*args), jax.jit(jax.grad(dense, argnums))(*args), strict=True):
@@ -669,11 +669,11 @@ def memory_kernel(name, dim):
     return gpjax.kernels.Matern52(lengthscale=jnp.float32(0.7))
 
 
-# (kernel, D): every kind, D from 1 to 256; the pair program split (D <= 2), looped, by the float64 GEMM (16, 64),
-# by GEMM (128)
+# (kernel, D): every kind, D from 1 to 256; the pair program split (D <= 2), looped (partial-17), by the float64
+# GEMM (16), by GEMM (128)
 ON_ACCELERATORS = pytest.mark.accelerator  # in the accelerator subset
 MEMORY_CASES = [
-    *[("pair", d) for d in (1, 3, 16)],
+    *[("pair", d) for d in (1, 16)],
     pytest.param("pair", 128, marks=ON_ACCELERATORS),
     *[pytest.param("partial", d, marks=ON_ACCELERATORS) for d in (17, 256)],
     pytest.param("many", 2, marks=ON_ACCELERATORS),
