@@ -21,7 +21,7 @@ Two optional layers follow, each with a switch (set it before tracing; ``jit``
 keeps what it traced), each entered from the core only at the functions named:
 
 4. ``PAIR_PROGRAM``: on CPU, blocks from the kernel's own program run on
-   whole blocks (``_pair_program_block``): the vmap form's accuracy, faster;
+   whole blocks (``_pair_program_here``): the vmap form's accuracy, faster;
    on an accelerator at D in ``ACCELERATOR_FEATURES`` for values only, and
    from ``GEMM_FEATURES_MIN`` where squared distances come from the GEMM.
 5. ``MEASURED_BLOCKS``: the block size from XLA's measured peak of the program
