@@ -1,7 +1,7 @@
 """Benchmark LazyKernel: users' kernels against the module's RBF, the inexact GEMM form and a ceiling.
 
     python bench_lazy_kernel.py --kernels 8192   # speed: K @ v and the checkpointed gradient, D = 3 to 256
-    python bench_lazy_kernel.py --real           # the GP gradient on scikit-learn's data sets (if installed)
+    python bench_lazy_kernel.py --real           # the GP gradient on scikit-learn's data sets (the 'real' extra)
     python bench_lazy_kernel.py --first-use 3000 # what measuring a block costs against the compile it guards
     python bench_lazy_kernel.py --split 8192     # feature sums written out against a loop, by D
     python bench_lazy_kernel.py --blocks 16384   # K @ v by block size; v @ K against K @ v by block kind
@@ -11,12 +11,14 @@
     python bench_lazy_kernel.py --precision 32768  # K @ X's contraction at HIGHEST against JAX's default, by width
     python bench_lazy_kernel.py --accelerator 32768  # off the CPU: --kernels at N for every D
     python bench_lazy_kernel.py --accelerator-blocks 32768  # off the CPU: blocks by size, D = 3 to 256
+    python bench_lazy_kernel.py --accelerator-features 32768  # off the CPU: features written out against vmap
     python bench_lazy_kernel.py                  # all nine at those sizes (not the accelerator tables)
 
-GPJax comes from the 'interop' extra. Everything a table compares runs in this
-one process on the same data (float32), timed round-robin so that load drifting
-on a shared machine hits all cases alike; each row is a median. Not a test:
-times depend on the machine; compare ratios within one run.
+GPJax comes from the 'interop' extra, scikit-learn from the 'real' extra.
+Everything a table compares runs in this one process on the same data
+(float32), timed round-robin so that load drifting on a shared machine hits
+all cases alike; each row is a median. Not a test: times depend on the
+machine; compare ratios within one run.
 """
 
 import argparse
