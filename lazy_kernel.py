@@ -1046,13 +1046,13 @@ def _squared_distance(first, second, exact):
 
     def repaired():
         column = jax.lax.broadcasted_iota(jnp.int32, squared.shape, 1)
-        last = jnp.max(jnp.where(unvouched, column, 0), axis=1)
-        first = jnp.min(jnp.where(unvouched, column, last[:, None]), axis=1)
-        repaired = jnp.maximum(squared, 0)
-        for partner in (last, first):
+        highest = jnp.max(jnp.where(unvouched, column, 0), axis=1)
+        lowest = jnp.min(jnp.where(unvouched, column, highest[:, None]), axis=1)
+        result = jnp.maximum(squared, 0)
+        for partner in (highest, lowest):  # the columns of each row's unvouched pairs
             direct = rows.scaling(rows.point - y[partner][:, None])  # [b, 1, D]: each row with its partner
-            repaired = jnp.where(column == partner[:, None], jnp.sum(direct * direct, 2), repaired)
-        return repaired
+            result = jnp.where(column == partner[:, None], jnp.sum(direct * direct, 2), result)
+        return result
 
     return jax.lax.cond(jnp.any(jnp.sum(unvouched, 1) > 2), jax.checkpoint(exact), repaired)
 
