@@ -559,10 +559,10 @@ SUM_CHUNK = 4  # features summed pairwise per step of the loop (_looped_sum; ben
 WIDE_GEMM_FEATURES_MIN = 8  # bench_lazy_kernel.py --wide: at D = 4 the loop's K @ v was faster, at 8 slower
 GEMM_FEATURES_MIN = 128  # bench_lazy_kernel.py --gemm: at D = 64, random points had 2.2 pairs per row the GEMM
 # cannot vouch for, so every block fell back to the loop, and took 1.2x the loop's time
-ACCELERATOR_FEATURES = range(2, 33)  # off the CPU, the program runs on points of these many features, each one
+ACCELERATOR_FEATURES = range(2, 65)  # off the CPU, the program runs on points of these many features, each one
 # written out (_Split); TPU v5e, N = 32768 (bench_lazy_kernel.py --accelerator-features), RBF's K @ v took the
 # vmap form's time times 0.61 and 0.63 at D = 2 and 3, 0.58 at 8, 0.72 at 16, 0.90 at 32 (Matern52's 0.58 to
-# 0.96); at 1 and 4 the same
+# 0.96); at 1 and 4 the same; at 48 and 64 (in blocks of ACCELERATOR_WIDE_BLOCK_BYTES) 0.75 and 0.76
 
 _ELEMENTWISE = frozenset(
     "abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp complex conj convert_element_type copy "
@@ -1337,6 +1337,10 @@ CPU_BLOCK_BYTES = 4 * 2**20  # the fastest block size measured on a CPU (bench_l
 CPU_MIN_BLOCK = 64  # blocks of 16 rows or columns were slower (bench_lazy_kernel.py --blocks)
 ACCELERATOR_BLOCK_BYTES = 64 * 2**20  # TPU v5e, N = 32768: 512-row blocks took RBF's K @ v 0.48x the time of
 # 8192-row ones at D = 3, 0.86x at D = 16, 0.97x at D = 256, its gradient 0.58x at D = 3 (bench --accelerator-blocks)
+ACCELERATOR_WIDE_FEATURES_MIN = 33  # from these many features a product's blocks written out (ACCELERATOR_FEATURES)
+ACCELERATOR_WIDE_BLOCK_BYTES = 256 * 2**20  # are at most this: TPU v5e, N = 32768, 2048-row blocks took K @ v
+# 0.90x-0.92x the time of 512-row ones at D = 48 and 64 (RBF, GPJax RBF, Matern52 and Laplace), 1024-row 0.94x at
+# 64; a gradient's blocks (the vmap form's derivatives) stay ACCELERATOR_BLOCK_BYTES
 # Probes compile at XLA:CPU's lowest code-generation optimisation: the same
 # buffers (the tests compare measurements with the programs users compile) sooner.
 _PROBE_OPTIONS = {"cpu": {"xla_backend_optimization_level": 0}}
@@ -1469,7 +1473,7 @@ def _measured_block(op, width, dtype, given=None, cached_only=False, differentia
 
 def _fastest_rows(op, gradient):
     """The block before the budget is measured: ``batch_size_row``, at most a cache-sized block on CPU and
-    ACCELERATOR_BLOCK_BYTES elsewhere.
+    ACCELERATOR_BLOCK_BYTES elsewhere (ACCELERATOR_WIDE_BLOCK_BYTES: see ACCELERATOR_WIDE_FEATURES_MIN).
 
     A gradient's is at most half the rows: XLA compiles a loop of one iteration as straight-line code, scheduled
     with the loss around it, which the measured program lacks; such a gradient's peak reached 1.33x the
@@ -1479,7 +1483,9 @@ def _fastest_rows(op, gradient):
     if jax.default_backend() == "cpu":
         rows = max(CPU_MIN_BLOCK, CPU_BLOCK_BYTES // row_bytes)
     else:
-        rows = max(1, ACCELERATOR_BLOCK_BYTES // row_bytes)
+        dim = op.x1.shape[1]
+        wide = not gradient and dim >= ACCELERATOR_WIDE_FEATURES_MIN and _pair_program_form(dim) == "forward"
+        rows = max(1, (ACCELERATOR_WIDE_BLOCK_BYTES if wide else ACCELERATOR_BLOCK_BYTES) // row_bytes)
     rows = min(rows, op.batch_size_row)
     return max(1, min(rows, -(-op.shape[0] // 2) if gradient else op.shape[0]))
 

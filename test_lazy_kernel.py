@@ -284,6 +284,10 @@ def test_fastest_block_is_cache_sized_on_cpu_and_accelerator_sized_elsewhere(mon
     assert lazy_kernel._fastest_rows(tight, gradient=False) == min(tight.batch_size_row, expected[backend]) == 32
     few = LazyKernel(RBF(), x1[:300], x2)
     assert lazy_kernel._fastest_rows(few, gradient=True) == (64 if backend == "cpu" else 150)  # at most half
+    wide = LazyKernel(RBF(), jnp.zeros((20000, 64), jnp.float32), jnp.zeros((columns, 64), jnp.float32))
+    written_out = {"cpu": expected["cpu"], "tpu": 2**28 // (4 * columns), "gpu": 2**28 // (4 * columns)}  # 2048
+    assert lazy_kernel._fastest_rows(wide, gradient=False) == written_out[backend]
+    assert lazy_kernel._fastest_rows(wide, gradient=True) == expected[backend]  # the vmap form's derivatives
 
 
 def test_constructor_keeps_what_was_passed():
