@@ -507,8 +507,8 @@ def precision_table(n):
 
 
 def accelerator_blocks_table(n):
-    """Off the CPU: lazy_kernel.RBF by rows per block (ACCELERATOR_BLOCK_BYTES's against batch_size_row's), with
-    the inexact GEMM RBF and the exp + matvec ceiling at the default blocks for scale."""
+    """Off the CPU: lazy_kernel.RBF by rows per block (the default's, 2048 and batch_size_row's), with the inexact
+    GEMM RBF and the exp + matvec ceiling at the default blocks for scale."""
     print(
         f"\n## By block size, float32: K @ v at M = N = {n}, the checkpointed gradient of sum(sin(K @ v)) at {n // 2}\n"
     )
