@@ -1483,8 +1483,9 @@ def _fastest_rows(op, gradient):
     if jax.default_backend() == "cpu":
         rows = max(CPU_MIN_BLOCK, CPU_BLOCK_BYTES // row_bytes)
     else:
-        dim = op.x1.shape[1]
+        dim, points = op.x1.shape[1], jnp.result_type(op.x1.dtype, op.x2.dtype)
         wide = not gradient and dim >= ACCELERATOR_WIDE_FEATURES_MIN and _pair_program_form(dim) == "forward"
+        wide = wide and block_evaluation(op.kernel, dim, points).startswith("pair program")  # written out
         rows = max(1, (ACCELERATOR_WIDE_BLOCK_BYTES if wide else ACCELERATOR_BLOCK_BYTES) // row_bytes)
     rows = min(rows, op.batch_size_row)
     return max(1, min(rows, -(-op.shape[0] // 2) if gradient else op.shape[0]))

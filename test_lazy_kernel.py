@@ -288,6 +288,9 @@ def test_fastest_block_is_cache_sized_on_cpu_and_accelerator_sized_elsewhere(mon
     written_out = {"cpu": expected["cpu"], "tpu": 2**28 // (4 * columns), "gpu": 2**28 // (4 * columns)}  # 2048
     assert lazy_kernel._fastest_rows(wide, gradient=False) == written_out[backend]
     assert lazy_kernel._fastest_rows(wide, gradient=True) == expected[backend]  # the vmap form's derivatives
+    debug = ZOO["debug-print-D3-float64"][0](None)  # effects: the vmap form, in blocks of its own size
+    vmapped = LazyKernel(debug, jnp.zeros((20000, 64), jnp.float32), jnp.zeros((columns, 64), jnp.float32))
+    assert lazy_kernel._fastest_rows(vmapped, gradient=False) == expected[backend]
 
 
 def test_constructor_keeps_what_was_passed():
