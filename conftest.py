@@ -9,6 +9,8 @@ import jax
 import pytest
 from hypothesis import HealthCheck, settings
 
+import lazy_kernel
+
 jax.config.update("jax_enable_x64", True)
 # Accelerators would otherwise round the oracles' float32 matmuls (TF32 on a GPU, bf16 on a TPU) to about 3
 # decimal digits. The operator's own contraction is float32 without it: tests of that unset it.
@@ -27,15 +29,6 @@ CHEAPEST_CPU_CODEGEN = {
     "xla_cpu_parallel_codegen_split_count": 1,  # where XLA has it; splitting to compile in parallel cost more
 }
 _cheap_cpu_options = {}  # the options of CHEAPEST_CPU_CODEGEN this XLA takes; none inside as_users_compile()
-
-
-def _known_to_xla(name, value):
-    try:
-        with jax.default_device(jax.local_devices(backend="cpu")[0]):
-            jax.jit(lambda x: x).lower(0.0).compile({name: value})
-    except Exception:  # XlaRuntimeError, by another name in each JAX: "No such compile option"
-        return False
-    return True
 
 
 def _cheap_on_cpu(get_compile_options):
@@ -63,7 +56,8 @@ def as_users_compile():
 _get_compile_options = getattr(jax._src.compiler, "get_compile_options", None)  # JAX's own: checked before use
 _parameters = inspect.signature(_get_compile_options).parameters if _get_compile_options else {}
 if {"env_options_overrides", "backend"} <= set(_parameters):
-    _cheap_cpu_options.update({name: v for name, v in CHEAPEST_CPU_CODEGEN.items() if _known_to_xla(name, v)})
+    known = {name: v for name, v in CHEAPEST_CPU_CODEGEN.items() if lazy_kernel._known_to_xla("cpu", name, v)}
+    _cheap_cpu_options.update(known)
     jax._src.compiler.get_compile_options = _cheap_on_cpu(_get_compile_options)
 
 settings.register_profile(

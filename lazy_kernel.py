@@ -1341,9 +1341,10 @@ ACCELERATOR_WIDE_FEATURES_MIN = 33  # from these many features a product's block
 ACCELERATOR_WIDE_BLOCK_BYTES = 256 * 2**20  # are at most this: TPU v5e, N = 32768, 2048-row blocks took K @ v
 # 0.90x-0.92x the time of 512-row ones at D = 48 and 64 (RBF, GPJax RBF, Matern52 and Laplace), 1024-row 0.94x at
 # 64; a gradient's blocks (the vmap form's derivatives) stay ACCELERATOR_BLOCK_BYTES
-# Probes compile at XLA:CPU's lowest code-generation optimisation: the same
-# buffers (the tests compare measurements with the programs users compile) sooner.
-_PROBE_OPTIONS = {"cpu": {"xla_backend_optimization_level": 0}}
+# Probes compile at XLA:CPU's lowest code-generation optimisation, with its
+# older fusion emitters where this XLA has both: the same buffers (the tests
+# compare measurements with the programs users compile), sooner.
+_PROBE_OPTIONS = {"cpu": {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}}
 
 
 class Measurement(NamedTuple):
@@ -1557,8 +1558,25 @@ def _compiled_peak(op, width, dtype, rows, differentiated):
         if any(moved):
             program = functools.partial(_value_and_pullback, run, moved)
             specs.append(jax.ShapeDtypeStruct((op.shape[0], width), dtype))  # the cotangent
-    compiled = jax.jit(program).lower(*specs).compile(_PROBE_OPTIONS.get(jax.default_backend()))
+    compiled = jax.jit(program).lower(*specs).compile(_probe_options(jax.default_backend()))
     return compiled.memory_analysis().temp_size_in_bytes
+
+
+@functools.cache
+def _probe_options(platform):
+    """The _PROBE_OPTIONS for ``platform`` that this XLA knows (one older than jaxlib 0.5.3 rejects the second)."""
+    options = _PROBE_OPTIONS.get(platform, {})
+    return {name: value for name, value in options.items() if _known_to_xla(platform, name, value)}
+
+
+def _known_to_xla(platform, name, value):
+    """Whether XLA compiles for ``platform`` with the option ``name`` set to ``value``."""
+    try:
+        with jax.default_device(jax.local_devices(backend=platform)[0]):
+            jax.jit(lambda x: x).lower(0.0).compile({name: value})
+    except Exception:  # XlaRuntimeError, by another name in each JAX: "No such compile option"
+        return False
+    return True
 
 
 def _value_and_pullback(run, moved, *args):
