@@ -1501,7 +1501,8 @@ def within_contract(fast, vmapped, oracle, scale, slack=16, rounded_to=None):
     np.testing.assert_array_equal(fast[~finite & ~np.isnan(vmapped)], vmapped[~finite & ~np.isnan(vmapped)])
     oracle = np.asarray(oracle, np.float64)
     error = lambda a: np.abs(a[finite] - oracle[finite]).max(initial=0.0)  # noqa: E731
-    eps = max(float(jnp.finfo(d).eps) for d in (fast.dtype, rounded_to or fast.dtype) if jnp.issubdtype(d, jnp.inexact))
+    dtypes = (fast.dtype,) if rounded_to is None else (fast.dtype, rounded_to)
+    eps = max(float(jnp.finfo(d).eps) for d in dtypes if jnp.issubdtype(d, jnp.inexact))
     assert error(fast) <= 4 * error(vmapped) + slack * eps * scale, (error(fast), error(vmapped), scale)
 
 
