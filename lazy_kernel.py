@@ -1564,7 +1564,8 @@ def _compiled_peak(op, width, dtype, rows, differentiated):
 
 @functools.cache
 def _probe_options(platform):
-    """The _PROBE_OPTIONS for ``platform`` that this XLA knows (one older than jaxlib 0.5.3 rejects the second)."""
+    """The _PROBE_OPTIONS for ``platform`` that this XLA knows (one older than jaxlib 0.5.3 has no
+    ``xla_cpu_use_fusion_emitters``)."""
     options = _PROBE_OPTIONS.get(platform, {})
     return {name: value for name, value in options.items() if _known_to_xla(platform, name, value)}
 
