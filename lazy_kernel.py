@@ -1326,21 +1326,23 @@ def block_evaluation(kernel: PairKernel, dim: int, dtype=jnp.float32) -> str:
 # ``jax.custom_jvp`` whose rule sees it in its symbolic zeros, measures that
 # one gradient, and runs at its block (``_measured_product``).
 #
-# The block is the fastest one (cache-sized on CPU, ACCELERATOR_BLOCK_BYTES on
-# other backends) if its peak is within the limit, ``max_memory_mb`` plus twice
-# the data; else the peak is measured at a small block too, fitted as
-# ``fixed + per_row * rows``, and the block shrunk, measuring again, until it
-# fits (see _fit). Peaks are cached by everything that decides them: the
-# program (_peak_key) and, for a gradient, what it is taken with respect to.
+# The block is the fastest one (cache-sized on CPU; on other backends
+# ACCELERATOR_BLOCK_BYTES, or ACCELERATOR_WIDE_BLOCK_BYTES where written out)
+# if its peak is within the limit, ``max_memory_mb`` plus twice the data; else
+# the peak is measured at a small block too, fitted as ``fixed + per_row *
+# rows``, and the block shrunk, measuring again, until it fits (see _fit).
+# Peaks are cached by everything that decides them: the program (_peak_key)
+# and, for a gradient, what it is taken with respect to.
 
 CPU_BLOCK_BYTES = 4 * 2**20  # the fastest block size measured on a CPU (bench_lazy_kernel.py --blocks)
 CPU_MIN_BLOCK = 64  # blocks of 16 rows or columns were slower (bench_lazy_kernel.py --blocks)
 ACCELERATOR_BLOCK_BYTES = 64 * 2**20  # TPU v5e, N = 32768: 512-row blocks took RBF's K @ v 0.48x the time of
-# 8192-row ones at D = 3, 0.86x at D = 16, 0.97x at D = 256, its gradient 0.58x at D = 3 (bench --accelerator-blocks)
-ACCELERATOR_WIDE_FEATURES_MIN = 33  # from these many features a product's blocks written out (ACCELERATOR_FEATURES)
-ACCELERATOR_WIDE_BLOCK_BYTES = 256 * 2**20  # are at most this: TPU v5e, N = 32768, 2048-row blocks took K @ v
-# 0.90x-0.92x the time of 512-row ones at D = 48 and 64 (RBF, GPJax RBF, Matern52 and Laplace), 1024-row 0.94x at
-# 64; a gradient's blocks (the vmap form's derivatives) stay ACCELERATOR_BLOCK_BYTES
+# 8192-row ones at D = 3, 0.86x at D = 16, 0.97x at D = 256, its gradient 0.58x at D = 3 (bench --accelerator-blocks);
+# the vmap form's 2048-row blocks took 1.05x the time of 512-row ones at D = 64
+ACCELERATOR_WIDE_BLOCK_BYTES = 256 * 2**20  # blocks the pair program writes out (block_evaluation), and half
+# that for their gradient by the GEMM: TPU v5e, against 64 MiB blocks, RBF's K @ v took 0.92x the time at D = 3, 8
+# and 16 (N = 32768), 0.90x-0.92x at 48 and 64 (RBF, GPJax RBF, Matern52, Laplace), 0.90x at 256 (N = 65536; at
+# 32768 1.03x); the gradient at 256 0.94x (N = 32768); at D = 3 (the vmap form's derivatives) 2x the rows took 1.45x
 # Probes compile at XLA:CPU's lowest code-generation optimisation, with its
 # older fusion emitters where this XLA has both: the same buffers (the tests
 # compare measurements with the programs users compile), sooner.
@@ -1473,8 +1475,9 @@ def _measured_block(op, width, dtype, given=None, cached_only=False, differentia
 
 
 def _fastest_rows(op, gradient):
-    """The block before the budget is measured: ``batch_size_row``, at most a cache-sized block on CPU and
-    ACCELERATOR_BLOCK_BYTES elsewhere (ACCELERATOR_WIDE_BLOCK_BYTES: see ACCELERATOR_WIDE_FEATURES_MIN).
+    """The block before the budget is measured: ``batch_size_row``, at most a cache-sized block on CPU; elsewhere
+    ACCELERATOR_WIDE_BLOCK_BYTES where the pair program writes the block out (half that for its gradient by the
+    GEMM), else ACCELERATOR_BLOCK_BYTES.
 
     A gradient's is at most half the rows: XLA compiles a loop of one iteration as straight-line code, scheduled
     with the loss around it, which the measured program lacks; such a gradient's peak reached 1.33x the
@@ -1485,9 +1488,12 @@ def _fastest_rows(op, gradient):
         rows = max(CPU_MIN_BLOCK, CPU_BLOCK_BYTES // row_bytes)
     else:
         dim, points = op.x1.shape[1], jnp.result_type(op.x1.dtype, op.x2.dtype)
-        wide = not gradient and dim >= ACCELERATOR_WIDE_FEATURES_MIN and _pair_program_form(dim) == "forward"
-        wide = wide and block_evaluation(op.kernel, dim, points).startswith("pair program")  # written out
-        rows = max(1, (ACCELERATOR_WIDE_BLOCK_BYTES if wide else ACCELERATOR_BLOCK_BYTES) // row_bytes)
+        written = block_evaluation(op.kernel, dim, points).startswith("pair program")
+        if not written or (gradient and _pair_program_form(dim) == "forward"):  # the vmap form, or its derivatives
+            rows = ACCELERATOR_BLOCK_BYTES // row_bytes
+        else:
+            rows = (ACCELERATOR_WIDE_BLOCK_BYTES // 2 if gradient else ACCELERATOR_WIDE_BLOCK_BYTES) // row_bytes
+        rows = max(1, rows)
     rows = min(rows, op.batch_size_row)
     return max(1, min(rows, -(-op.shape[0] // 2) if gradient else op.shape[0]))
 

@@ -274,23 +274,29 @@ def test_core_alone_uses_the_seeds_blocks(monkeypatch):
 def test_fastest_block_is_cache_sized_on_cpu_and_accelerator_sized_elsewhere(monkeypatch, backend):
     monkeypatch.setattr(lazy_kernel.jax, "default_backend", lambda: backend)
     columns = 32768
-    x1, x2 = jnp.zeros((20000, 3), jnp.float32), jnp.zeros((columns, 3), jnp.float32)
-    op = LazyKernel(RBF(), x1, x2)
-    expected = {"cpu": lazy_kernel.CPU_MIN_BLOCK}  # 4 MiB is 32 rows here: at least 64
-    expected["tpu"] = expected["gpu"] = 2**26 // (4 * columns)  # 64 MiB: 512 rows
-    assert lazy_kernel._fastest_rows(op, gradient=False) == expected[backend]
-    assert lazy_kernel._fastest_rows(op, gradient=True) == expected[backend]  # half of 20000 rows is more
-    tight = LazyKernel(RBF(), x1, x2, max_memory_mb=4)
-    assert lazy_kernel._fastest_rows(tight, gradient=False) == min(tight.batch_size_row, expected[backend]) == 32
-    few = LazyKernel(RBF(), x1[:300], x2)
-    assert lazy_kernel._fastest_rows(few, gradient=True) == (64 if backend == "cpu" else 150)  # at most half
-    wide = LazyKernel(RBF(), jnp.zeros((20000, 64), jnp.float32), jnp.zeros((columns, 64), jnp.float32))
-    written_out = {"cpu": expected["cpu"], "tpu": 2**28 // (4 * columns), "gpu": 2**28 // (4 * columns)}  # 2048
-    assert lazy_kernel._fastest_rows(wide, gradient=False) == written_out[backend]
-    assert lazy_kernel._fastest_rows(wide, gradient=True) == expected[backend]  # the vmap form's derivatives
-    debug = ZOO["debug-print-D3-float64"][0](None)  # effects: the vmap form, in blocks of its own size
-    vmapped = LazyKernel(debug, jnp.zeros((20000, 64), jnp.float32), jnp.zeros((columns, 64), jnp.float32))
-    assert lazy_kernel._fastest_rows(vmapped, gradient=False) == expected[backend]
+    points = lambda rows, dim: jnp.zeros((rows, dim), jnp.float32)  # noqa: E731
+    fastest = lambda kernel, dim, gradient: lazy_kernel._fastest_rows(  # noqa: E731
+        LazyKernel(kernel, points(20000, dim), points(columns, dim)), gradient=gradient
+    )
+    cpu, vmap_form = lazy_kernel.CPU_MIN_BLOCK, 2**26 // (4 * columns)  # 4 MiB is 32 rows here: at least 64; 512
+    written_out = {"cpu": cpu, "tpu": 2**28 // (4 * columns), "gpu": 2**28 // (4 * columns)}  # 2048
+    derivatives = {"cpu": cpu, "tpu": vmap_form, "gpu": vmap_form}  # of the written-out form: the vmap form's
+    for dim in (3, 64):
+        assert fastest(RBF(), dim, gradient=False) == written_out[backend]
+        assert fastest(RBF(), dim, gradient=True) == derivatives[backend]  # half of 20000 rows is more
+    by_gemm = {"cpu": cpu, "tpu": 2**27 // (4 * columns), "gpu": 2**27 // (4 * columns)}  # 1024
+    assert fastest(RBF(), 256, gradient=False) == written_out[backend]
+    assert fastest(RBF(), 256, gradient=True) == by_gemm[backend]  # differentiated as it is, half the bytes
+    laplace = lambda x, y: jnp.exp(-jnp.sum(jnp.abs(x - y)))  # noqa: E731
+    debug = ZOO["debug-print-D3-float64"][0](None)  # effects: the vmap form
+    for kernel, dim in ((laplace, 256), (laplace, 100), (debug, 64)):  # no GEMM; no form written out; effects
+        for gradient in (False, True):
+            assert fastest(kernel, dim, gradient) == derivatives[backend]
+    tight = LazyKernel(RBF(), points(20000, 3), points(columns, 3), max_memory_mb=4)
+    assert lazy_kernel._fastest_rows(tight, gradient=False) == tight.batch_size_row == 32
+    few = LazyKernel(RBF(), points(300, 3), points(columns, 3))
+    assert lazy_kernel._fastest_rows(few, gradient=False) == (cpu if backend == "cpu" else 300)
+    assert lazy_kernel._fastest_rows(few, gradient=True) == (cpu if backend == "cpu" else 150)  # at most half
 
 
 def test_constructor_keeps_what_was_passed():
