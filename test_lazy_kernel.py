@@ -278,12 +278,12 @@ def test_fastest_block_is_cache_sized_on_cpu_and_accelerator_sized_elsewhere(mon
     fastest = lambda kernel, dim, gradient: lazy_kernel._fastest_rows(  # noqa: E731
         LazyKernel(kernel, points(20000, dim), points(columns, dim)), gradient=gradient
     )
-    cpu, vmap_form = lazy_kernel.CPU_MIN_BLOCK, 2**26 // (4 * columns)  # 4 MiB is 32 rows here: at least 64; 512
+    cpu = lazy_kernel.CPU_MIN_BLOCK  # 4 MiB is 32 rows here: at least 64
+    vmap_form = {"cpu": cpu, "tpu": 2**26 // (4 * columns), "gpu": 2**26 // (4 * columns)}  # 64 MiB: 512 rows
     written_out = {"cpu": cpu, "tpu": 2**28 // (4 * columns), "gpu": 2**28 // (4 * columns)}  # 2048
-    derivatives = {"cpu": cpu, "tpu": vmap_form, "gpu": vmap_form}  # of the written-out form: the vmap form's
     for dim in (3, 64):
         assert fastest(RBF(), dim, gradient=False) == written_out[backend]
-        assert fastest(RBF(), dim, gradient=True) == derivatives[backend]  # half of 20000 rows is more
+        assert fastest(RBF(), dim, gradient=True) == vmap_form[backend]  # its derivatives; half of 20000 is more
     by_gemm = {"cpu": cpu, "tpu": 2**27 // (4 * columns), "gpu": 2**27 // (4 * columns)}  # 1024
     assert fastest(RBF(), 256, gradient=False) == written_out[backend]
     assert fastest(RBF(), 256, gradient=True) == by_gemm[backend]  # differentiated as it is, half the bytes
@@ -291,7 +291,7 @@ def test_fastest_block_is_cache_sized_on_cpu_and_accelerator_sized_elsewhere(mon
     debug = ZOO["debug-print-D3-float64"][0](None)  # effects: the vmap form
     for kernel, dim in ((laplace, 256), (laplace, 100), (debug, 64)):  # no GEMM; no form written out; effects
         for gradient in (False, True):
-            assert fastest(kernel, dim, gradient) == derivatives[backend]
+            assert fastest(kernel, dim, gradient) == vmap_form[backend]
     tight = LazyKernel(RBF(), points(20000, 3), points(columns, 3), max_memory_mb=4)
     assert lazy_kernel._fastest_rows(tight, gradient=False) == tight.batch_size_row == 32
     few = LazyKernel(RBF(), points(300, 3), points(columns, 3))
