@@ -1488,8 +1488,8 @@ def _fastest_rows(op, gradient):
         rows = max(CPU_MIN_BLOCK, CPU_BLOCK_BYTES // row_bytes)
     else:
         dim, points = op.x1.shape[1], jnp.result_type(op.x1.dtype, op.x2.dtype)
-        written = block_evaluation(op.kernel, dim, points).startswith("pair program")
-        if not written or (gradient and _pair_program_form(dim) == "forward"):  # the vmap form, or its derivatives
+        derivatives = gradient and _pair_program_form(dim) == "forward"  # the vmap form's: whatever the values are
+        if derivatives or not block_evaluation(op.kernel, dim, points).startswith("pair program"):
             rows = ACCELERATOR_BLOCK_BYTES // row_bytes
         else:
             rows = (ACCELERATOR_WIDE_BLOCK_BYTES // 2 if gradient else ACCELERATOR_WIDE_BLOCK_BYTES) // row_bytes
