@@ -274,9 +274,9 @@ def test_core_alone_uses_the_seeds_blocks(monkeypatch):
 def test_fastest_block_is_cache_sized_on_cpu_and_accelerator_sized_elsewhere(monkeypatch, backend):
     monkeypatch.setattr(lazy_kernel.jax, "default_backend", lambda: backend)
     columns = 32768
-    points = lambda rows, dim: jnp.zeros((rows, dim), jnp.float32)  # noqa: E731
+    zeros = lambda rows, dim: jnp.zeros((rows, dim), jnp.float32)  # noqa: E731
     fastest = lambda kernel, dim, gradient: lazy_kernel._fastest_rows(  # noqa: E731
-        LazyKernel(kernel, points(20000, dim), points(columns, dim)), gradient=gradient
+        LazyKernel(kernel, zeros(20000, dim), zeros(columns, dim)), gradient=gradient
     )
     cpu = lazy_kernel.CPU_MIN_BLOCK  # 4 MiB is 32 rows here: at least 64
     vmap_form = {"cpu": cpu, "tpu": 2**26 // (4 * columns), "gpu": 2**26 // (4 * columns)}  # 64 MiB: 512 rows
@@ -292,9 +292,9 @@ def test_fastest_block_is_cache_sized_on_cpu_and_accelerator_sized_elsewhere(mon
     for kernel, dim in ((laplace, 256), (laplace, 100), (debug, 64)):  # no GEMM; no form written out; effects
         for gradient in (False, True):
             assert fastest(kernel, dim, gradient) == vmap_form[backend]
-    tight = LazyKernel(RBF(), points(20000, 3), points(columns, 3), max_memory_mb=4)
+    tight = LazyKernel(RBF(), zeros(20000, 3), zeros(columns, 3), max_memory_mb=4)
     assert lazy_kernel._fastest_rows(tight, gradient=False) == tight.batch_size_row == 32
-    few = LazyKernel(RBF(), points(300, 3), points(columns, 3))
+    few = LazyKernel(RBF(), zeros(300, 3), zeros(columns, 3))
     assert lazy_kernel._fastest_rows(few, gradient=False) == (cpu if backend == "cpu" else 300)
     assert lazy_kernel._fastest_rows(few, gradient=True) == (cpu if backend == "cpu" else 150)  # at most half
 
