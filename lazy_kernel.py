@@ -479,11 +479,14 @@ def _contract(block, rhs, axis, precision, chunk):
 
     With ``chunk``, as one product per chunk of columns, whose results the vector unit adds: a TPU v5e's matrix
     unit rounds a long float32 sum toward zero, by 90 eps of the scale at N = 65536 (2 eps at N = 2048). The
-    optimization barrier keeps XLA from folding the sum of the chunks back into one product.
+    optimization barriers keep XLA from folding the sum of the chunks back into one product, and the block
+    whole: fused into the product, a written-out block of 1024 rows, N = 65536 and D = 64 whose kernel's arrays
+    are inputs (under ``grad`` in them, say) took XLA:TPU 17.8 GB of temporaries, [rows, N, D] values.
     """
     n, width = rhs.shape
     if not chunk:
         return jax.lax.dot_general(block, rhs, (((axis,), (0,)), ((), ())), precision)
+    block = jax.lax.optimization_barrier(block)
     chunks = (*block.shape[:axis], n // chunk, chunk, *block.shape[axis + 1 :])
     numbers = (((axis + 1,), (1,)), ((axis,), (0,)))  # contract within a chunk, batch over chunks
     partial = jax.lax.dot_general(block.reshape(chunks), rhs.reshape(n // chunk, chunk, width), numbers, precision)
@@ -1330,7 +1333,8 @@ def block_evaluation(kernel: PairKernel, dim: int, dtype=jnp.float32) -> str:
 # ACCELERATOR_BLOCK_BYTES, or ACCELERATOR_WIDE_BLOCK_BYTES where written out)
 # if its peak is within the limit, ``max_memory_mb`` plus twice the data; else
 # the peak is measured at a small block too, fitted as ``fixed + per_row *
-# rows``, and the block shrunk, measuring again, until it fits (see _fit).
+# rows``, and the block shrunk, measuring again, until it fits (see _fit). A block
+# too large for XLA to compile on the device (RESOURCE_EXHAUSTED) is over any limit.
 # Peaks are cached by everything that decides them: the program (_peak_key)
 # and, for a gradient, what it is taken with respect to.
 
@@ -1499,12 +1503,16 @@ def _fastest_rows(op, gradient):
 
 
 def _fit(peak, rows, limit, op):
-    """Rows, at most ``rows``, whose measured ``peak(rows)`` fits ``limit`` (else 1); and that peak.
+    """Rows, at most ``rows``, whose measured ``peak(rows)`` fits ``limit`` (else 1); and that peak. A peak of inf
+    (too large to compile) halves the block first; with no room for one row, a MemoryError.
 
     A block that must shrink is aimed 10% under where the fitted line meets
     the limit: XLA's peaks wander around the line, and each miss costs a compile.
     """
     at_rows = peak(rows)
+    while math.isinf(at_rows) and rows > 1:  # too large to compile: halve until a peak is measured
+        rows = max(1, rows // 2)
+        at_rows = peak(rows)
     if at_rows > limit and rows > 1:
         small = max(1, min(8, rows // 2))
         at_small = peak(small)
@@ -1514,6 +1522,11 @@ def _fit(peak, rows, limit, op):
             rows = max(1, min(rows - 1, int(0.9 * (limit - fixed) / per_row)))
             at_rows = peak(rows)
             per_row = max(per_row, (at_rows - fixed) / rows)
+    if math.isinf(at_rows):
+        raise MemoryError(
+            f"LazyKernel{op.shape}: XLA finds no room on this device for the temporaries of a block of one row "
+            f"(checkpoint={op.checkpoint})"
+        )
     if at_rows > limit:
         warnings.warn(
             f"LazyKernel{op.shape}: one row of a block needs {at_rows / 2**20:.3g} MiB of temporaries "
@@ -1564,7 +1577,12 @@ def _compiled_peak(op, width, dtype, rows, differentiated):
         if any(moved):
             program = functools.partial(_value_and_pullback, run, moved)
             specs.append(jax.ShapeDtypeStruct((op.shape[0], width), dtype))  # the cotangent
-    compiled = jax.jit(program).lower(*specs).compile(_probe_options(jax.default_backend()))
+    try:
+        compiled = jax.jit(program).lower(*specs).compile(_probe_options(jax.default_backend()))
+    except Exception as error:  # JaxRuntimeError, XlaRuntimeError in older JAX
+        if "RESOURCE_EXHAUSTED" not in str(error):
+            raise
+        return math.inf  # XLA found no room for its temporaries on this device: over any budget
     return compiled.memory_analysis().temp_size_in_bytes
 
 

@@ -10,6 +10,7 @@
 - Memory: XLA's own accounting of the compiled programs.
 """
 
+import concurrent.futures
 import contextlib
 import functools
 import os
@@ -733,16 +734,26 @@ def test_budget_bounds_the_peak(kernel_name, dim, device):
         assert peak <= budget_mb * 2**20 + 2 * data, (name, peak / 2**20, data / 2**20)
     forward, gradient = lazy(params, x1, x2, False), lazy(params, x1, x2, True)
     assert forward.block_rows <= forward.batch_size_row and forward.block_cols <= forward.batch_size_col
-    if device.platform != "cpu":
-        return  # a TPU v5e's measure() of a gradient read 0 bytes (3 of 6 cases) or 7% to 15% apart: not understood
-    # what measure() reports is what XLA needs (its programs differ from these in their inputs only)
-    assert forward.measure().peak_mb * 2**20 == pytest.approx(peaks["K @ v"], rel=0.05, abs=4096)
-    wrt = {
-        "grad x1, v": ("x1", "operand"),
-        "grad all": ("kernel", "x1", "x2", "operand"),
+    # what measure() reports is what XLA needs: its programs differ from these in their inputs only (a gradient's
+    # cotangent is one, not the loss's). On CPU that is within 5%, and every program holds a block. A TPU keeps
+    # a small block out of its memory (HBM; 0 bytes), and there a gradient's program and the loss's differed by
+    # arrays of the data's size (up to 410 KB; TPU v5e), which the limit's twice the data covers.
+    measured = {
+        "K @ v": forward.measure(),
+        "w @ K": forward.T.measure(),
+        "grad x1, v": gradient.measure(wrt=("x1", "operand")),
+        "grad all": gradient.measure(wrt=("kernel", "x1", "x2", "operand")),
     }
-    for name, names in wrt.items():
-        assert gradient.measure(wrt=names).peak_mb * 2**20 == pytest.approx(peaks[name], rel=0.05, abs=4096), name
+    for name, measurement in measured.items():
+        if device.platform == "cpu":
+            assert measurement.peak_mb * 2**20 == pytest.approx(peaks[name], rel=0.05, abs=4096), name
+            assert measurement.peak_mb > 0, name
+        else:
+            assert abs(measurement.peak_mb * 2**20 - peaks[name]) <= 2 * data, (name, measurement, peaks[name])
+    # the block shrank where the fastest one did not fit
+    fastest = lazy_kernel._fastest_rows(forward, gradient=False)
+    at_fastest = temp_bytes(lambda x1, x2, v: LazyKernel(kernel, x1, x2, batch_size=fastest) @ v, x1, x2, v)
+    assert (forward.block_rows < fastest) == (at_fastest > measured["K @ v"].limit_mb * 2**20), (fastest, at_fastest)
 
 
 def test_budget_bounds_the_peak_when_every_row_fits_one_block():
@@ -774,6 +785,66 @@ def test_one_row_over_the_budget_is_said_once():
         warnings.simplefilter("error")
         again = LazyKernel(wide, x1, x2, max_memory_mb=1e-4, checkpoint=True)
         assert again.block_rows == again.measure(wrt=("x1", "operand")).rows == 1  # measured once, cached
+
+
+def refuse_compiles_over(limit_bytes, monkeypatch):
+    """From here on, a compile fails as XLA:TPU's does when a program's temporaries exceed the chip's memory: here
+    over ``limit_bytes``. A list that grows by the temporaries of each compile refused."""
+    refused, original = [], jax.stages.Lowered.compile
+    error = getattr(jax.errors, "JaxRuntimeError", RuntimeError)  # XlaRuntimeError in older JAX: the same message
+
+    def compile_within(self, *args, **kwargs):
+        compiled = original(self, *args, **kwargs)
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        if temp > limit_bytes:
+            refused.append(temp)
+            raise error(f"RESOURCE_EXHAUSTED: Ran out of memory: HLO temporaries ({temp}) exceed ({limit_bytes})")
+        return compiled
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", compile_within)
+    return refused
+
+
+def test_a_block_too_large_to_compile_counts_as_over_the_budget(monkeypatch):
+    """A probe whose compile fails for lack of memory is over any budget: the fit goes on to smaller blocks, for
+    products and gradients, and the product is right; with no room for one row the error says so."""
+    rng = np.random.default_rng(22)
+    x1, x2 = points(rng, 3000, 3, jnp.float32), points(rng, 2000, 3, jnp.float32)
+    v = jnp.asarray(rng.uniform(-0.25, 1, size=2000), jnp.float32)
+    op = LazyKernel(RBF(jnp.float32(0.8), jnp.float32(1.7)), x1, x2, max_memory_mb=64, checkpoint=True)
+    fastest = lazy_kernel._fastest_rows(op, gradient=False)
+    refused = refuse_compiles_over(2**20, monkeypatch)  # a quarter of the fastest block
+    assert op.block_rows < fastest and refused and op.measure().peak_mb <= 1
+    gradient = op.measure(wrt=("x1", "operand"))
+    assert gradient.rows < lazy_kernel._fastest_rows(op, gradient=True) and gradient.peak_mb <= 1
+    a, b = np.asarray(x1, np.float64), np.asarray(x2, np.float64)
+    dense = 1.7 * np.exp(-0.5 * np.sum((a[:, None] - b[None]) ** 2, -1) / np.float32(0.8) ** 2)
+    assert_close(op @ v, dense @ np.asarray(v, np.float64), jnp.float32, scale=dense @ np.abs(np.asarray(v)))
+    refuse_compiles_over(-1, monkeypatch)  # no program compiles
+    with pytest.raises(MemoryError, match="no room on this device for the temporaries of a block of one row"):
+        _ = LazyKernel(RBF(), x1[:100], x2).block_rows
+
+
+@pytest.mark.accelerator
+def test_a_block_too_large_for_the_chip_counts_as_over_the_budget(device, monkeypatch):
+    """On the chip itself: a budget of 32 GiB and a fastest block of every row (K: 16 GiB, more than the chip's
+    memory) must not crash: the block shrinks to one whose measured peak fits, holding the block in memory."""
+    if device.platform == "cpu":
+        pytest.skip("an accelerator's memory: XLA:CPU compiles programs of any size")
+    n, width = 65536, 16
+    monkeypatch.setattr(lazy_kernel, "ACCELERATOR_WIDE_BLOCK_BYTES", 2**36)
+    rng = np.random.default_rng(23)
+    x = rng.normal(size=(n, 3))
+    operand = rng.uniform(-0.25, 1, size=(n, width))
+    points = jnp.asarray(x, jnp.float32)
+    op = LazyKernel(RBF(jnp.float32(0.8), jnp.float32(1.7)), points, points, max_memory_mb=2**15)
+    assert lazy_kernel._fastest_rows(op, gradient=False) == n
+    measured = op.measure(width)
+    assert measured.rows < n and measured.rows * n * 4 <= measured.peak_mb * 2**20 <= measured.limit_mb * 2**20
+    rows = rng.choice(n, 8, replace=False)
+    got = np.asarray(jax.jit(lambda op, r: op @ r)(op, jnp.asarray(operand, jnp.float32)), np.float64)[rows]
+    dense = 1.7 * np.exp(-0.5 * np.sum((x[rows, None] - x[None]) ** 2, -1) / np.float32(0.8) ** 2)
+    assert_close(got, dense @ operand, jnp.float32, scale=dense @ np.abs(operand))
 
 
 def test_measurements_are_cached_by_what_decides_them(monkeypatch):
@@ -1682,7 +1753,7 @@ ACCURACY_CASES = [  # (D, dtype, x64): features written out; looped; by the floa
 
 @pytest.mark.parametrize("dim, dtype, x64", ACCURACY_CASES)
 @pytest.mark.parametrize("name", sorted(ACCURACY_KERNELS))
-def test_as_accurate_as_the_vmap_form(name, dim, dtype, x64, device, request):
+def test_as_accurate_as_the_vmap_form(name, dim, dtype, x64, device):
     """Values and gradients (points, lengthscales) of ``LazyKernel`` against np.longdouble: worst error <= 4x the
     vmap form's + 16 eps of the scale (max|K|; for a gradient, the largest sum of absolute terms of one component).
 
@@ -1693,13 +1764,16 @@ def test_as_accurate_as_the_vmap_form(name, dim, dtype, x64, device, request):
     """
     if dim == 64 and device.platform == "cpu":
         pytest.skip("on CPU, D = 64 takes D = 16's forms (tested); an accelerator's subset has it")
-    if device.platform == "tpu" and name == "gpjax-Matern12" and dim == 3:
-        reason = "TPU v5e, D = 3: a near pair's dK/dls erred 4.2x the vmap form's (3.6e-5, 8.5e-6); not understood"
-        request.applymarker(pytest.mark.xfail(reason=reason, strict=False))
+    # TPU v5e, GPJax Matern12 at D = 3 in float32: a near pair's dK/dls erred 4.2x the vmap form's (3.6e-5, 8.5e-6),
+    # the one case past 4x: held to 5x there, and to its being past 4x, so that the exception goes when its cause does
+    known = device.platform == "tpu" and (name, dim, dtype) == ("gpjax-Matern12", 3, jnp.float32)
     rng = np.random.default_rng(dim)
     ls = np.linspace(0.5, 1.5, dim) if name != "laplace-pair" else np.array(0.8)
     weights = rng.normal(size=(24, 20))
-    assert_as_accurate_as_the_vmap_form(name, accuracy_data(rng, dim, ls), ls, dtype, x64, weights)
+    factors = {"dK/dls": 5.0} if known else {}
+    worst = assert_as_accurate_as_the_vmap_form(name, accuracy_data(rng, dim, ls), ls, dtype, x64, weights, factors)
+    if known:
+        assert worst["dK/dls"] > 4, worst
 
 
 REAL_SETS = ("digits", "breast_cancer", "diabetes")
@@ -1725,9 +1799,12 @@ def test_as_accurate_as_the_vmap_form_on_real_data(name, real_set, dtype, x64, d
     assert_as_accurate_as_the_vmap_form(name, {real_set: (x1, x2)}, ls, dtype, x64, weights)
 
 
-def assert_as_accurate_as_the_vmap_form(name, data, ls, dtype, x64, weights):
+def assert_as_accurate_as_the_vmap_form(name, data, ls, dtype, x64, weights, factors=None):
     """The contract on each data set of ``data`` (name -> x1 [24, D], x2 [20, D], x2[:6] = x1[:6]), for the
-    kernel ``name`` of ACCURACY_KERNELS at lengthscales ``ls``, the pairs' cotangents ``weights`` [24, 20]."""
+    kernel ``name`` of ACCURACY_KERNELS at lengthscales ``ls``, the pairs' cotangents ``weights`` [24, 20]: each
+    error within 4x the vmap form's (``factors``: another for a named check) + 16 eps of the scale. Returns the
+    worst ``(error - 16 eps scale) / vmap form's error`` of each check."""
+    worst, factors = {}, factors or {}
     make, exact = ACCURACY_KERNELS[name]
     eps = float(jnp.finfo(dtype).eps)
     weights = weights.copy()
@@ -1751,7 +1828,16 @@ def assert_as_accurate_as_the_vmap_form(name, data, ls, dtype, x64, weights):
 
         def check(what, fast, vmapped, oracle, scale, data_name=data_name):
             vmap_error, fast_error = np.abs(np.asarray(vmapped) - oracle).max(), np.abs(np.asarray(fast) - oracle).max()
-            assert fast_error <= 4 * vmap_error + 16 * eps * scale, (data_name, what, fast_error, vmap_error, scale)
+            factor = factors.get(what, 4)
+            assert fast_error <= factor * vmap_error + 16 * eps * scale, (
+                data_name,
+                what,
+                fast_error,
+                vmap_error,
+                scale,
+            )
+            ratio = (fast_error - 16 * eps * scale) / vmap_error if vmap_error else 0.0
+            worst[what] = max(worst.get(what, -np.inf), float(ratio))
 
         check("K", fast, vmapped, oracle, np.abs(oracle).max())
         if data_name != FAR_APART:  # at distance zero, no further from the truth than the vmap form
@@ -1762,42 +1848,64 @@ def assert_as_accurate_as_the_vmap_form(name, data, ls, dtype, x64, weights):
         by_point, by_ls = (weights[:, :, None] * a for a in (dk_dx, dk_dls))  # weighted terms of each pair, [24, 20, D]
         check("dK/dls", fast_grads[0], vmapped_grads[0], by_ls.sum((0, 1)), np.abs(by_ls).sum((0, 1)).max())
         check("dK/dx1", fast_grads[1], vmapped_grads[1], by_point.sum(1), np.abs(by_point).sum(1).max())
+    return worst
 
 
 @pytest.mark.parametrize("dim", [max(lazy_kernel.ACCELERATOR_FEATURES), lazy_kernel.GEMM_FEATURES_MIN])
 @pytest.mark.parametrize("x64", [True, False])
 @pytest.mark.parametrize("name", ["rbf-module", "gpjax-Matern52", "matern12-pair"])
-def test_accelerators_blocks_as_accurate_as_the_vmap_form(name, x64, dim, monkeypatch, request):
+def test_accelerators_blocks_as_accurate_as_the_vmap_form(name, x64, dim, monkeypatch):
     """The oracle test above for an accelerator's blocks (faked here), float32: at the most features written out,
     and at GEMM_FEATURES_MIN, squared distances by the GEMM where the rule vouches, repaired pairs and blocks sent
     to the exact sum."""
     monkeypatch.setattr(lazy_kernel.jax, "default_backend", lambda: "tpu")
     cpu = jax.devices("cpu")[0]
     with jax.default_device(cpu):
-        test_as_accurate_as_the_vmap_form(name, dim, jnp.float32, x64, cpu, request)
+        test_as_accurate_as_the_vmap_form(name, dim, jnp.float32, x64, cpu)
 
 
 # -- the sanity check -----------------------------------------------------------
 
 
-SANITY_ARGS = ["--n", "300", "--batch-size", "7", "--check", "16"]
+# 2500 points: a block is measured and must shrink (a budget of 1 MB), and an accelerator contracts in chunks
+SANITY_ARGS = ["--n", "2500", "--max-memory-mb", "1", "--check", "16"]
+
+
+@pytest.fixture
+def users_precision():
+    """JAX's matmul precision unset, as users have it (the suite sets "highest")."""
+    jax.config.update("jax_default_matmul_precision", None)
+    yield
+    jax.config.update("jax_default_matmul_precision", "highest")
 
 
 @pytest.mark.accelerator
-def test_sanity_check_passes(capsys, device):
+def test_sanity_check_passes(capsys, device, users_precision):
     assert lazy_kernel.main(SANITY_ARGS) == 0
     out = capsys.readouterr().out
-    assert f"platform: {device.platform}, 1 x {device.device_kind}" in out and "blocks used: 7 rows of 300" in out
+    assert f"platform: {device.platform}, 1 x {device.device_kind}" in out
+    rows = int(out.split("blocks used: ")[1].split()[0])
+    points = jnp.zeros((2500, 3), jnp.float32)
+    most = LazyKernel(RBF(), points, points, max_memory_mb=1).batch_size_row
+    assert 1 <= rows < most if device.platform == "cpu" else 1 <= rows <= most  # measured; on CPU shrunk, too
     for product in ("K @ v", "K @ X (16 columns)", "w @ K", "grad_x1 w.(K @ v)"):
         assert f"{product}: " in out and "pairs/s" in out
     assert out.rstrip().endswith("PASS")
 
 
 def _off_by_bf16_sized_errors(what, monkeypatch):
-    """Make the operator's K (or the kernel itself) wrong by as much as bf16 rounding."""
+    """Make the operator's K, its contraction (or the kernel itself) wrong by as much as bf16 rounding."""
     if what == "exp off by 5e-4":  # the kernel's values, in the operator and in the vmap form alike
         call = RBF.__call__
         monkeypatch.setattr(RBF, "__call__", lambda kernel, x, y: call(kernel, x, y) * (1 + 5e-4))
+        return
+    if what == "operand rounded to bf16":  # what a bf16 contraction does to the operand
+        contract = lazy_kernel._contract
+        rounded = lambda block, rhs, *a: contract(block, jax.lax.reduce_precision(rhs, 8, 7), *a)  # noqa: E731
+        monkeypatch.setattr(lazy_kernel, "_contract", rounded)
+        return
+    if what == "contraction at JAX's default precision":  # bf16 passes on a TPU (float32 on a CPU)
+        monkeypatch.setattr(lazy_kernel, "_contraction_precision", lambda: None)
         return
     block = lazy_kernel._block
 
@@ -1811,16 +1919,106 @@ def _off_by_bf16_sized_errors(what, monkeypatch):
 
 
 @pytest.mark.accelerator
-@pytest.mark.parametrize("what", ["K off by 5e-4", "K rounded to bf16", "exp off by 5e-4"])
-def test_sanity_check_fails_on_bf16_sized_errors(what, monkeypatch, capsys):
+@pytest.mark.parametrize(
+    "what",
+    [
+        "K off by 5e-4",
+        "K rounded to bf16",
+        "exp off by 5e-4",
+        "operand rounded to bf16",
+        "contraction at JAX's default precision",
+    ],
+)
+def test_sanity_check_fails_on_bf16_sized_errors(what, monkeypatch, capsys, device, users_precision):
+    if what == "contraction at JAX's default precision" and device.platform == "cpu":
+        pytest.skip("a CPU's matrix products are float32 at JAX's default precision")
     _off_by_bf16_sized_errors(what, monkeypatch)
     assert lazy_kernel.main(SANITY_ARGS) == 1
     verdict = capsys.readouterr().out.rstrip().splitlines()[-1]
     if what == "exp off by 5e-4":  # the vmap form errs as much: the kernel's values are what is wrong
         assert verdict.startswith("FAIL: the kernel's values err"), verdict
+    elif what == "contraction at JAX's default precision":  # a matrix-vector product stays float32 on a TPU
+        assert "K @ X (16 columns) (" in verdict and "K @ v (" not in verdict, verdict
     else:
         for product in ("K @ v", "K @ X (16 columns)", "w @ K", "grad_x1 w.(K @ v)"):
-            assert f"{product} (" in verdict, verdict
+            if what != "operand rounded to bf16" or product != "grad_x1 w.(K @ v)":
+                assert f"{product} (" in verdict, verdict
+
+
+# -- the chip at full size: python -m pytest -q -m at_scale -k tpu -------------------------------------------------
+
+AT_SCALE = pytest.mark.at_scale
+ON_A_CHIP = "full-size products: an accelerator's (python -m pytest -q -m at_scale -k tpu)"
+
+
+@AT_SCALE
+@pytest.mark.parametrize(
+    "dim, dtype", [*((d, "float32") for d in (1, 3, 16, 64, 256)), (3, "float64"), (64, "float64")]
+)
+def test_sanity_check_passes_at_scale(dim, dtype, device, capsys, users_precision):
+    """``python lazy_kernel.py`` at every D the README claims, at its default size (65536 points; 4096 in float64)."""
+    if device.platform == "cpu":
+        pytest.skip(ON_A_CHIP)
+    assert lazy_kernel.main(["--dim", str(dim), "--dtype", dtype]) == 0, capsys.readouterr().out
+    assert capsys.readouterr().out.rstrip().endswith("PASS")
+
+
+@AT_SCALE
+def test_sanity_check_fails_at_scale_without_chunks(device, capsys, monkeypatch, users_precision):
+    """Without CONTRACTION_CHUNK, a TPU v5e's matrix unit rounds K @ X's sum over 65536 columns toward zero."""
+    if device.platform == "cpu":
+        pytest.skip(ON_A_CHIP)
+    monkeypatch.setattr(lazy_kernel, "CONTRACTION_CHUNK", 2**31)
+    assert lazy_kernel.main([]) == 1
+    verdict = capsys.readouterr().out.rstrip().splitlines()[-1]
+    assert "K @ X (16 columns) (" in verdict, verdict
+
+
+@AT_SCALE
+@pytest.mark.parametrize(
+    "dim, n", [(d, 65536) for d in (1, 3, 16, 32, 64, 128, 256)] + [(1, 131072), (3, 131072), (16, 131072)]
+)
+def test_budget_bounds_the_peak_at_scale(dim, n, device):
+    """At the default budget (1024 MB), each program's block has a measured peak within max_memory_mb + twice the
+    data: K @ X with 1, 16 and 64 columns, X @ K and the checkpointed gradient in every input; and the programs
+    users compile, the kernel's arrays among their inputs, need what was measured."""
+    if device.platform == "cpu":
+        pytest.skip(ON_A_CHIP)
+    specs = [jax.ShapeDtypeStruct((), jnp.float32)] * 2 + [jax.ShapeDtypeStruct((n, dim), jnp.float32)] * 2
+    lazy = lambda ls, variance, x1, x2: LazyKernel(RBF(ls, variance), x1, x2, checkpoint=True)  # noqa: E731
+
+    def gradient(ls, variance, x1, x2, r, cotangent):
+        value, pullback = jax.vjp(lambda *inputs: lazy(*inputs[:4]) @ inputs[4], ls, variance, x1, x2, r)
+        return value, pullback(cotangent)
+
+    column = jax.ShapeDtypeStruct((n, 1), jnp.float32)
+    programs = {  # name: (program, its operand's specs, measure's arguments, on K or K.T)
+        **{
+            f"K @ X ({width})": (
+                lambda *a: lazy(*a[:4]) @ a[4],
+                [jax.ShapeDtypeStruct((n, width), jnp.float32)],
+                (width, ()),
+                False,
+            )
+            for width in (1, 16, 64)
+        },
+        "X @ K": (lambda *a: a[4].T @ lazy(*a[:4]), [column], (1, ()), True),
+        "gradient": (gradient, [column, column], (1, ("kernel", "x1", "x2", "operand")), False),
+    }
+    lowered = {name: jax.jit(f).lower(*specs, *operand) for name, (f, operand, _, _) in programs.items()}
+    with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:  # XLA compiles without Python's lock
+        compiled = pool.map(lambda p: p.compile().memory_analysis().temp_size_in_bytes, lowered.values())
+        temps = dict(zip(lowered, compiled, strict=True))
+    points = jnp.zeros((n, dim), jnp.float32)
+    op = LazyKernel(RBF(jnp.float32(1.0), jnp.float32(1.0)), points, points, checkpoint=True)
+    for name, (_, _, (width, wrt), transposed) in programs.items():
+        measured = (op.T if transposed else op).measure(width, wrt)
+        assert measured.peak_mb <= measured.limit_mb, (name, measured)
+        assert temps[name] == pytest.approx(measured.peak_mb * 2**20, rel=0.05, abs=2**20), (
+            name,
+            temps[name],
+            measured,
+        )
 
 
 # -- many devices and processes: jax.shard_map --------------------------------------
