@@ -1194,12 +1194,15 @@ def test_zoo_blocks_and_products_match_the_vmap_form(name):
 )
 def test_accelerators_pair_program_matches_the_vmap_form(name, monkeypatch):
     """An accelerator's blocks on ACCELERATOR_FEATURES features, run here: the pair program with every feature
-    written out (no loop), values as the vmap form, and the vmap form's gradient in the points."""
+    written out (no loop), values as the vmap form; the gradient in the points as the vmap form's (the derivative
+    an accelerator's blocks take: this checks the wiring), and, of blocks of K and of K.T alike, as central
+    differences of the values (this checks the numbers, which the vmap form shares)."""
     monkeypatch.setattr(lazy_kernel.jax, "default_backend", lambda: "tpu")
     make, dim, dtype, params = ZOO[name]
     kernel = make(params)
     x1, x2 = zoo_points(dim, dtype, seed=len(name))
     differentiable = jnp.issubdtype(dtype, jnp.inexact)
+    by_differences = dtype in (jnp.float32, jnp.float64)  # where 16 eps is finer than a derivative 1e-3 off
     if differentiable:
         x2 = x2.at[1].add(0.1)  # no near-duplicate: some kernels' derivatives are singular there
     if lazy_kernel.block_evaluation(kernel, dim, dtype) == "vmap":
@@ -1211,12 +1214,47 @@ def test_accelerators_pair_program_matches_the_vmap_form(name, monkeypatch):
         if not differentiable:
             return blocks
         pullbacks = [jax.vjp(lambda a, f=f: f(kernel, a, x2), x1)[1] for f in (kernel_block, lazy_kernel._vmap_block)]
-        return *blocks, *(pullback(jnp.cos(blocks[1]))[0] for pullback in pullbacks)
+        of_transpose = jax.vjp(lambda a: kernel_block(kernel, x2, a, transposed=True), x1)[1]
+        cotangent = jnp.cos(blocks[1])
+        gradients = (*(pullback(cotangent)[0] for pullback in pullbacks), of_transpose(cotangent.T)[0])
+        return *blocks, gradients, central_differences(kernel, x1, x2, cotangent) if by_differences else None
 
-    fast, vmapped, *gradients = jax.jit(forms)(x1)
+    fast, vmapped, *derivatives = jax.jit(forms)(x1)
     assert_as_vmap(fast, vmapped, dtype)
-    if gradients:
-        assert_as_vmap(*gradients, dtype, scale=float(np.abs(np.asarray(gradients[1])).max(initial=0.0)) * 5)
+    if not derivatives:
+        return
+    (gradient, vmapped_gradient, of_transpose), oracle = derivatives
+    scale = float(np.abs(np.asarray(vmapped_gradient)).max(initial=0.0)) * 5
+    assert_as_vmap(gradient, vmapped_gradient, dtype, scale=scale)
+    if by_differences:
+        differences, terms = (float(a) for a in oracle)
+        allowed = (16 * float(jnp.finfo(dtype).eps) + DIFFERENCE_ERROR) * terms
+        for what, got in (("K", gradient), ("K.T", of_transpose)):
+            along = float(np.sum(np.asarray(got, np.float64)[MOVED_ROWS] * direction(dim)))
+            assert abs(along - differences) <= allowed, (what, along, differences, allowed)
+
+
+MOVED_ROWS = [0, 2, 4]  # of zoo_points' x1: rows 1 and 3 have a partner in x2 whose difference ties in every feature
+DIFFERENCE_ERROR = 1e-7  # of the scale: central differences at step 1e-5 erred by at most 3e-9 of it in the zoo
+
+
+def direction(dim):
+    return np.random.default_rng(dim).normal(size=(len(MOVED_ROWS), dim))
+
+
+def central_differences(kernel, x1, x2, cotangent):
+    """The derivative of sum(cotangent * K) along direction(D), MOVED_ROWS of x1 moved, by central differences
+    (step 1e-5) of the vmap form's values on float64 points: an oracle no derivative rule computes; and its scale,
+    the sum of its terms' absolute values, one a pair. Rows 1 and 3 stay: at their ties (zero differences; one
+    moved by 0.101 in every feature) abs, max and sort have no derivative."""
+    x1, x2 = x1[jnp.asarray(MOVED_ROWS)].astype(jnp.float64), x2.astype(jnp.float64)
+    cotangent, along = cotangent[jnp.asarray(MOVED_ROWS)].astype(jnp.float64), direction(x1.shape[1])
+
+    def terms(step):
+        return cotangent * lazy_kernel._vmap_block(kernel, x1 + step * along, x2)
+
+    by_pair = (terms(1e-5) - terms(-1e-5)) / 2e-5
+    return jnp.sum(by_pair), jnp.sum(jnp.abs(by_pair))
 
 
 DERIVATIVE_ZOO = [
