@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, note, settings
+from hypothesis import example, given, note, settings
 from hypothesis import strategies as st
 
 import lazy_kernel
@@ -147,6 +147,11 @@ def start_early(request):
 
 # -- products against the oracle ----------------------------------------------
 
+# Where blocks change form: the most features an accelerator writes out, the first past them (on CPU, the first
+# summed in chunks of 5), the GEMM's first; and the first N whose K @ X an accelerator contracts in chunks.
+WIDE_FEATURES = [max(lazy_kernel.ACCELERATOR_FEATURES) + i for i in (0, 1)] + [lazy_kernel.GEMM_FEATURES_MIN]
+CHUNKED_COLUMNS = lazy_kernel.CONTRACTION_CHUNK + 1
+
 OPERAND_SHAPES = {  # rank -> (right operand shape, left operand shape) given K's (M, N)
     1: lambda m, n: ((n,), (m,)),
     2: lambda m, n: ((n, 3), (2, m)),
@@ -155,11 +160,17 @@ OPERAND_SHAPES = {  # rank -> (right operand shape, left operand shape) given K'
 }
 
 
+def product_example(**changes):
+    """An example test_products_match_dense always runs: a small K in one block, but for ``changes``."""
+    small = dict(m=12, n=9, dim=2, kernel_name="rbf-pytree", rank=1, dtype=jnp.float64, batch_size=None, seed=0)
+    return example(**{**small, "max_memory_mb": 2**10, "checkpoint": False, **changes})
+
+
 @pytest.mark.filterwarnings("ignore:.*one row of a block needs")  # budgets of 0 MiB
 @given(
     m=st.integers(0, 40),
-    n=st.integers(0, 40),
-    dim=st.integers(1, 4),
+    n=st.sampled_from([*range(41), CHUNKED_COLUMNS]),  # rarely: an example below always runs one
+    dim=st.sampled_from([1, 2, 3, 4, *WIDE_FEATURES]),
     kernel_name=st.sampled_from(sorted(KERNELS)),
     rank=st.sampled_from(sorted(OPERAND_SHAPES)),
     dtype=st.sampled_from([jnp.float32, jnp.float64]),
@@ -168,12 +179,17 @@ OPERAND_SHAPES = {  # rank -> (right operand shape, left operand shape) given K'
     checkpoint=st.booleans(),
     seed=st.integers(0, 2**16),
 )
+@product_example(dim=lazy_kernel.GEMM_FEATURES_MIN)  # by the GEMM, in float64, whose tolerance shows its errors
+@product_example(n=CHUNKED_COLUMNS, rank=2)  # K @ X of more columns than an accelerator contracts at once
 def test_products_match_dense(
     m, n, dim, kernel_name, rank, dtype, batch_size, max_memory_mb, checkpoint, seed, device, layers
 ):
+    """Products against the dense float64 matrix. Past 4 features the points spread 1 / sqrt(D), so that K stays
+    of order 1 (RBF's near 0.35) and its errors show, where spread 1 would take it below 1e-80 at D = 128."""
     rng = np.random.default_rng(seed)
     kernel, kernel_np = KERNELS[kernel_name]
-    x1, x2 = points(rng, m, dim, dtype), points(rng, n, dim, dtype)
+    spread = 1 if dim <= 4 else 1 / np.sqrt(dim)
+    x1, x2 = (jnp.asarray(spread * rng.normal(size=(size, dim)), dtype) for size in (m, n))
     op = LazyKernel(kernel, x1, x2, max_memory_mb=max_memory_mb, batch_size=batch_size, checkpoint=checkpoint)
     dense = dense_oracle(kernel_np, x1, x2)
     right_shape, left_shape = OPERAND_SHAPES[rank](m, n)
@@ -1562,16 +1578,23 @@ _BINARY = {
 def kernel_programs(draw):
     """(text, kernel): a pair kernel of a few steps, each one operation of the grammar on earlier values; the text
     lists every step's value (all of them run), the kernel's last."""
-    names = ["x", "y", "x - y"]  # each value's text; the values themselves are built at call time
-    steps = [("sub", 0, 1)]  # most kernels start from the difference
+    steps = []
     for _ in range(draw(st.integers(1, 5))):
+        last = 2 + len(steps)  # the index of the latest value: x, y, x - y, then each step's
         if draw(st.booleans()):
-            op = draw(st.sampled_from(sorted(_UNARY)))
-            steps.append((op, draw(st.integers(0, len(names) - 1))))
+            steps.append((draw(st.sampled_from(sorted(_UNARY))), draw(st.integers(0, last))))
         else:
             op = draw(st.sampled_from(sorted(_BINARY)))
-            steps.append((op, draw(st.integers(0, len(names) - 1)), draw(st.integers(0, len(names) - 1))))
-        names.append(f"{op}({', '.join(names[i] for i in steps[-1][1:])})")
+            steps.append((op, draw(st.integers(0, last)), draw(st.integers(0, last))))
+    return kernel_program(steps)
+
+
+def kernel_program(drawn):
+    """(text, kernel) of ``drawn`` steps, (operation, index of each argument) after x, y and x - y."""
+    names = ["x", "y", "x - y"]  # each value's text; the values themselves are built at call time
+    steps = [("sub", 0, 1), *drawn]  # most kernels start from the difference
+    for op, *args in drawn:
+        names.append(f"{op}({', '.join(names[i] for i in args)})")
 
     def kernel(x, y):
         values = [x, y]
@@ -1590,10 +1613,11 @@ GENERATED_PROGRAMS = {}  # a program's text -> its jitted checks: hypothesis dra
 @settings(max_examples=200 if os.environ.get("CI") else 40)
 @given(
     program=kernel_programs(),
-    dim=st.integers(0, 20),
+    dim=st.sampled_from([*range(21), *WIDE_FEATURES]),
     dtype=st.sampled_from([jnp.float32, jnp.float64, jnp.int32]),
     seed=st.integers(0, 9),
 )
+@example(kernel_program([("square", 2)]), lazy_kernel.GEMM_FEATURES_MIN, jnp.float64, 0)  # |x - y|^2 by the GEMM
 def test_generated_kernels_run_as_the_vmap_form(program, dim, dtype, seed):
     """A kernel the vmap form runs runs lazily with its numbers; one it rejects is rejected with its error."""
     text, kernel = program
