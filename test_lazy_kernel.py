@@ -757,20 +757,22 @@ def test_budget_bounds_the_peak(kernel_name, dim, device):
     # v5e), which the limit's twice the data covers.
     measured = {
         "K @ v": forward.measure(),
-        "w @ K": forward.T.measure(),
         "grad x1, v": gradient.measure(wrt=("x1", "operand")),
         "grad all": gradient.measure(wrt=("kernel", "x1", "x2", "operand")),
     }
     for name, measurement in measured.items():
         if device.platform == "cpu":
             assert measurement.peak_mb * 2**20 == pytest.approx(peaks[name], rel=0.05, abs=4096), name
-            assert measurement.peak_mb > 0 or name in ("K @ v", "w @ K"), name
+            assert measurement.peak_mb > 0 or name == "K @ v", name
         else:
             assert abs(measurement.peak_mb * 2**20 - peaks[name]) <= 2 * data, (name, measurement, peaks[name])
-    # the block shrank where the fastest one did not fit
-    fastest = lazy_kernel._fastest_rows(forward, gradient=False)
-    at_fastest = temp_bytes(lambda x1, x2, v: LazyKernel(kernel, x1, x2, batch_size=fastest) @ v, x1, x2, v)
-    assert (forward.block_rows < fastest) == (at_fastest > measured["K @ v"].limit_mb * 2**20), (fastest, at_fastest)
+    # the block shrank exactly where the fastest one did not fit
+    fastest, limit = lazy_kernel._fastest_rows(forward, gradient=False), measured["K @ v"].limit_mb * 2**20
+    if forward.block_rows == fastest:
+        assert peaks["K @ v"] <= limit
+    else:
+        at_fastest = temp_bytes(lambda x1, x2, v: LazyKernel(kernel, x1, x2, batch_size=fastest) @ v, x1, x2, v)
+        assert forward.block_rows < fastest and at_fastest > limit, (fastest, at_fastest, limit)
 
 
 def test_budget_bounds_the_peak_when_every_row_fits_one_block():
