@@ -855,8 +855,8 @@ def test_a_block_too_large_for_the_chip_counts_as_over_the_budget(device, monkey
     rng = np.random.default_rng(23)
     x = rng.normal(size=(n, 3))
     operand = rng.uniform(-0.25, 1, size=(n, width))
-    points = jnp.asarray(x, jnp.float32)
-    op = LazyKernel(RBF(jnp.float32(0.8), jnp.float32(1.7)), points, points, max_memory_mb=2**15)
+    x32 = jnp.asarray(x, jnp.float32)
+    op = LazyKernel(RBF(jnp.float32(0.8), jnp.float32(1.7)), x32, x32, max_memory_mb=2**15)
     assert lazy_kernel._fastest_rows(op, gradient=False) == n
     measured = op.measure(width)
     assert measured.rows < n and measured.rows * n * 4 <= measured.peak_mb * 2**20 <= measured.limit_mb * 2**20
@@ -1961,8 +1961,8 @@ def test_sanity_check_passes(capsys, device, users_precision):
     out = capsys.readouterr().out
     assert f"platform: {device.platform}, 1 x {device.device_kind}" in out
     rows = int(out.split("blocks used: ")[1].split()[0])
-    points = jnp.zeros((2500, 3), jnp.float32)
-    assert 1 <= rows <= LazyKernel(RBF(), points, points, max_memory_mb=1).batch_size_row  # measured
+    zeros = jnp.zeros((2500, 3), jnp.float32)
+    assert 1 <= rows <= LazyKernel(RBF(), zeros, zeros, max_memory_mb=1).batch_size_row  # measured
     for product in ("K @ v", "K @ X (16 columns)", "w @ K", "grad_x1 w.(K @ v)"):
         assert f"{product}: " in out and "pairs/s" in out
     assert out.rstrip().endswith("PASS")
@@ -2084,16 +2084,12 @@ def test_budget_bounds_the_peak_at_scale(dim, n, device):
     with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:  # XLA compiles without Python's lock
         compiled = pool.map(lambda p: p.compile().memory_analysis().temp_size_in_bytes, lowered.values())
         temps = dict(zip(lowered, compiled, strict=True))
-    points = jnp.zeros((n, dim), jnp.float32)
-    op = LazyKernel(RBF(jnp.float32(1.0), jnp.float32(1.0)), points, points, checkpoint=True)
+    zeros = jnp.zeros((n, dim), jnp.float32)
+    op = LazyKernel(RBF(jnp.float32(1.0), jnp.float32(1.0)), zeros, zeros, checkpoint=True)
     for name, (_, _, (width, wrt), transposed) in programs.items():
         measured = (op.T if transposed else op).measure(width, wrt)
         assert measured.peak_mb <= measured.limit_mb, (name, measured)
-        assert temps[name] == pytest.approx(measured.peak_mb * 2**20, rel=0.05, abs=2**20), (
-            name,
-            temps[name],
-            measured,
-        )
+        assert temps[name] == pytest.approx(measured.peak_mb * 2**20, rel=0.05, abs=2**20), (name, measured)
 
 
 # -- many devices and processes: jax.shard_map --------------------------------------
