@@ -14,6 +14,25 @@
     python bench_lazy_kernel.py --accelerator-features 32768  # off the CPU: features written out against vmap
     python bench_lazy_kernel.py                  # all nine at those sizes (not the accelerator tables)
 
+The constants in lazy_kernel.py's plan, and what these modes measured for them:
+
+    SPLIT_FEATURES_MAX = 2        --split: from 3 features the loop was faster than features written out
+    SUM_CHUNK = 4                 --chunks: features summed pairwise per step of the loop
+    WIDE_GEMM_FEATURES_MIN = 8    --wide: at D = 4 the loop's K @ v was faster than the float64 GEMM, at 8 slower
+    GEMM_FEATURES_MIN = 128       --gemm: at D = 64 random points had 2.2 pairs per row the GEMM cannot vouch
+                                  for, so every block fell back to the loop, and took 1.2x the loop's time
+    CPU_BLOCK_BYTES = 4 MiB       --blocks: cache-sized blocks beat larger ones; CPU_MIN_BLOCK = 64: 16 rows slower
+    ACCELERATOR_FEATURES = 2..64  --accelerator-features (TPU v5e, N = 32768): RBF's K @ v took the vmap form's
+                                  time times 0.61, 0.63 at D = 2, 3; 0.58 at 8; 0.72 at 16; 0.90 at 32 (Matern52's
+                                  0.58 to 0.96); the same at 1 and 4; 0.75, 0.76 at 48, 64 (in 256 MiB blocks)
+    ACCELERATOR_BLOCK_BYTES = 64 MiB   --accelerator-blocks (TPU v5e, N = 32768): 512-row blocks took RBF's K @ v
+                                  0.48x the time of 8192-row ones at D = 3, 0.86x at 16, 0.97x at 256, its
+                                  gradient 0.58x at D = 3; the vmap form's 2048-row blocks 1.05x 512-row ones at 64
+    ACCELERATOR_WIDE_BLOCK_BYTES = 256 MiB  the same, blocks the pair program writes out, against 64 MiB: K @ v
+                                  0.92x the time at D = 3, 8, 16 (N = 32768), 0.90x-0.92x at 48, 64 (RBF, GPJax RBF,
+                                  Matern52, Laplace), 0.90x at 256 (N = 65536; 1.03x at 32768); the gradient by the
+                                  GEMM (half the bytes) 0.94x at 256; at D = 3 (vmap derivatives) 2x rows took 1.45x
+
 GPJax comes from the 'interop' extra, scikit-learn from the 'real' extra.
 Everything a table compares runs in this one process on the same data
 (float32), timed round-robin so that load drifting on a shared machine hits

@@ -14,22 +14,24 @@ stay a few blocks too.
 Reading map. The core comes first and runs alone:
 
 1. Kernels: the two protocols, ``RBF`` and ``kernel_block`` (one block of K).
-2. The engine: ``_blockwise_matmul``, the loop above.
-3. The operator: ``LazyKernel``, with CAGPJax's batch-size arithmetic.
+2. The plan: ``block_plan`` decides, once per kernel, D, dtype and backend,
+   how a block is made and contracted, as one frozen ``Plan``. Every backend
+   decision and every constant that picks a form is here, and nowhere else.
+3. The engine: ``_blockwise_matmul``, the loop above, and ``_contract``.
+4. The operator: ``LazyKernel``, with CAGPJax's batch-size arithmetic.
 
 Two optional layers follow, each with a switch (set it before tracing; ``jit``
 keeps what it traced), each entered from the core only at the functions named:
 
-4. ``PAIR_PROGRAM``: on CPU, blocks from the kernel's own program run on
-   whole blocks (``_pair_program_here``): the vmap form's accuracy, faster;
-   on an accelerator at D in ``ACCELERATOR_FEATURES`` for values only, and
-   from ``GEMM_FEATURES_MIN`` where squared distances come from the GEMM.
-5. ``MEASURED_BLOCKS``: the block size from XLA's measured peak of the program
+5. ``PAIR_PROGRAM``: blocks from the kernel's own program run on whole blocks,
+   where the plan says (``_pair_program_block``; ``block_plan`` asks
+   ``_pair_program_takes``): the vmap form's accuracy, faster.
+6. ``MEASURED_BLOCKS``: the block size from XLA's measured peak of the program
    that runs, so that the budget bounds the real memory, gradients included
    (``_measured_product`` for products; ``_measured_block`` and
    ``_differentiated`` for ``block_rows`` and ``measure()``).
 
-6. ``python lazy_kernel.py`` checks a machine against a dense NumPy oracle.
+7. ``python lazy_kernel.py`` checks a machine against a dense NumPy oracle.
 
 The file depends on ``jax`` alone: copy it into your project if you like.
 """
@@ -39,6 +41,8 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import dataclasses
+import enum
 import functools
 import math
 import numbers
@@ -57,14 +61,17 @@ __all__ = [
     "LazyKernel",
     "Measurement",
     "PairKernel",
+    "Plan",
     "RBF",
     "block_evaluation",
+    "block_plan",
     "kernel_block",
 ]
 
 _JAX_VERSION = tuple(int(part) for part in jax.__version__.split(".")[:2])
-PAIR_PROGRAM = True  # layer 4; False: every block is the vmap form (or the kernel's cross_covariance)
-MEASURED_BLOCKS = True  # layer 5; False: blocks of batch_size_row rows, the seed's arithmetic
+PAIR_PROGRAM = True  # layer 5; False: every block is the vmap form (or the kernel's cross_covariance)
+MEASURED_BLOCKS = True  # layer 6; False: blocks of batch_size_row rows, the seed's arithmetic
+BACKEND = None  # the backend blocks are planned for; None: JAX's default (the tests plan for "tpu" on a CPU)
 
 
 # --------------------------------------------------------------------------
@@ -127,24 +134,21 @@ def kernel_block(kernel: PairKernel, xa: jax.Array, xb: jax.Array, *, transposed
     """The dense block ``K[i, j] = kernel(xa[i], xb[j])``, shape [len(xa), len(xb)].
 
     With ``transposed``, ``kernel(xb[j], xa[i])``: a block of the transpose,
-    computed as it is rather than transposed afterwards. The pair program
-    where it applies (layer 4), else the kernel's ``cross_covariance``, else
-    the vmap form: the reference.
+    computed as it is rather than transposed afterwards. Made as
+    ``block_plan`` says: the pair program, the kernel's ``cross_covariance``,
+    or the vmap form (the reference).
     """
-    block, stored_transposed = _block(kernel, xa, xb, transposed)
-    return block.T if stored_transposed else block
+    return _block(kernel, xa, xb, transposed, block_plan(kernel, xa.shape[1], jnp.result_type(xa, xb)))
 
 
-def _block(kernel, xa, xb, transposed):
-    """``kernel_block``'s block as it is computed, and whether that is its transpose, [len(xb), len(xa)]: a
-    ``cross_covariance`` fills blocks of K only, so a block of K.T is one of K, which the engine contracts as it
-    is (transposing it first took twice the time)."""
-    block = _pair_program_here(kernel, xa, xb, transposed)
-    if block is not None:
-        return block, False
-    if hasattr(kernel, "cross_covariance"):
-        return (kernel.cross_covariance(xb, xa), True) if transposed else (kernel.cross_covariance(xa, xb), False)
-    return _vmap_block(kernel, xa, xb, transposed), False
+def _block(kernel, xa, xb, transposed, plan):
+    """``kernel_block``'s block, made as ``plan`` says. A ``cross_covariance`` fills blocks of K only: a block of
+    K.T is one of K transposed, which XLA folds into the product that contracts it."""
+    if plan.block in _PAIR_PROGRAMS and xa.shape[0] and xb.shape[0]:
+        return _pair_program_block(kernel, xa, xb, transposed, plan)  # layer 5
+    if plan.block is Block.CROSS_COVARIANCE:
+        return kernel.cross_covariance(xb, xa).T if transposed else kernel.cross_covariance(xa, xb)
+    return _vmap_block(kernel, xa, xb, transposed)
 
 
 def _vmap_block(kernel, xa, xb, transposed=False):
@@ -179,10 +183,151 @@ def _check_kernel(kernel, dim, dtype):
 
 
 # --------------------------------------------------------------------------
-# 2. The engine
+# 2. The plan: every backend decision, in one place
 # --------------------------------------------------------------------------
+#
+# On a CPU, XLA runs the vmap form's sum over a short feature axis slowly, so
+# the pair program (layer 5) runs every kernel it takes, its sums over more
+# than a few features in a loop. On an accelerator the vector unit's lanes hold
+# those features, mostly empty at small D: there the program writes features
+# out at small D (values only: its derivatives compiled slowly and ran slower),
+# and from GEMM_FEATURES_MIN runs where a squared distance is the GEMM.
+# bench_lazy_kernel.py measures each constant below (its docstring says where).
 
-CONTRACTION_CHUNK = 2048  # off the CPU, columns of K per matrix-unit product in K @ X (see _contract)
+
+class Block(enum.Enum):
+    """How a block of K is made."""
+
+    VMAP = "the pair call vmapped over the block: the reference"
+    CROSS_COVARIANCE = "the kernel's own cross_covariance"
+    PAIR_PROGRAM = "the kernel's program run on whole blocks, differentiated as it is (layer 5)"
+    PAIR_PROGRAM_VALUES = "the pair program's values, the vmap form's derivatives (layer 5)"
+
+
+_PAIR_PROGRAMS = (Block.PAIR_PROGRAM, Block.PAIR_PROGRAM_VALUES)
+
+
+class FeatureSum(enum.Enum):
+    """How the pair program sums a value of both points over more features than it writes out."""
+
+    LOOP = "a loop adding one [b, n] array per feature, recomputed in reverse mode"
+    AT_ONCE = "at once, on [b, n, D] values (on an accelerator a loop is a pass over memory per feature)"
+
+
+class Distance(enum.Enum):
+    """A way to compute |s (x - y)|^2 for every pair of a block, besides the direct sum over features."""
+
+    GEMM = "|a|^2 + |b|^2 - 2 a.b, where its error bound is within 4x the direct sum's"
+    FLOAT64_GEMM = "float32 points by the GEMM in float64, where the kernel takes its error"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How blocks of one kernel on points of D features are made and contracted on one backend."""
+
+    backend: str  # what it was planned for
+    block: Block
+    written_out: int  # a value of both points with at most this many features: one [b, n] array each
+    feature_sum: FeatureSum  # a value with more
+    squared_distances: tuple[Distance, ...]  # each falls back to the next, the last to the direct sum
+    contraction_chunk: int | None  # columns of K per matrix-unit product in K @ X, or None: all at once
+    contraction_precision: jax.lax.Precision | None  # None: JAX's default, which the user has set
+    block_bytes: int  # the fastest block of a product (layer 6)
+    gradient_block_bytes: int  # the fastest block of its gradient (layer 6)
+    min_block_rows: int  # blocks smaller than this are slower
+    probe_options: tuple[tuple[str, object], ...]  # XLA's options for a block's measurement (layer 6)
+
+
+SPLIT_FEATURES_MAX = 2  # on CPU, from 3 features the loop was faster than values written out
+ACCELERATOR_FEATURES = range(2, 65)  # off the CPU, features written out beat the vmap form's lanes here
+GEMM_FEATURES_MIN = 128  # below it, too many pairs a GEMM cannot vouch for: the fallback costs more
+WIDE_GEMM_FEATURES_MIN = 8  # on CPU, the float64 GEMM beats the loop from here
+CONTRACTION_CHUNK = 2048  # a TPU's matrix unit sums this many float32 terms within 2 eps (see _chunked_contract)
+CPU_BLOCK_BYTES = 4 * 2**20  # cache-sized blocks were the fastest on CPU
+CPU_MIN_BLOCK = 64  # blocks of 16 rows or columns were slower
+ACCELERATOR_BLOCK_BYTES = 64 * 2**20  # off the CPU, smaller blocks were slower at D = 3, larger no faster
+ACCELERATOR_WIDE_BLOCK_BYTES = 256 * 2**20  # blocks the pair program writes out (half for their gradient)
+# Probes compile at XLA:CPU's lowest code-generation optimisation, with its older fusion emitters where this XLA
+# has both: the same buffers (the tests compare measurements with the programs users compile), sooner.
+_PROBE_OPTIONS = {"cpu": {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}}
+
+
+def block_plan(kernel: PairKernel, dim: int, dtype=jnp.float32) -> Plan:
+    """How blocks of ``kernel`` on points of ``dim`` features and ``dtype`` are made here (traced, not run).
+
+    The only reader of ``jax.default_backend()`` (or ``BACKEND``) in this
+    file. Which forms the kernel's program takes is asked of layer 5.
+    """
+    backend = BACKEND or jax.default_backend()
+    dtype, on_cpu = jnp.dtype(dtype), backend == "cpu"
+    float32 = dtype == jnp.float32
+    gemm = dim >= GEMM_FEATURES_MIN and (float32 or (on_cpu and dtype == jnp.float64))  # no fast float64 elsewhere
+    wide = on_cpu and float32 and dim >= WIDE_GEMM_FEATURES_MIN and _float64_in_traces()
+    if on_cpu:
+        block = Block.PAIR_PROGRAM
+    elif dim in ACCELERATOR_FEATURES:
+        block = Block.PAIR_PROGRAM_VALUES
+    else:
+        block = Block.PAIR_PROGRAM if gemm else Block.VMAP  # where a squared distance is the GEMM, below
+    chunked = not on_cpu and hasattr(jax.lax, "optimization_barrier")  # JAX 0.4.31 on
+    plan = Plan(
+        backend=backend,
+        block=block if PAIR_PROGRAM else Block.VMAP,
+        written_out=SPLIT_FEATURES_MAX if on_cpu else max(ACCELERATOR_FEATURES),
+        feature_sum=FeatureSum.LOOP if on_cpu else FeatureSum.AT_ONCE,
+        squared_distances=(Distance.GEMM,) * gemm + (Distance.FLOAT64_GEMM,) * wide,
+        contraction_chunk=CONTRACTION_CHUNK if chunked else None,
+        contraction_precision=_contraction_precision(),
+        block_bytes=CPU_BLOCK_BYTES if on_cpu else ACCELERATOR_BLOCK_BYTES,
+        gradient_block_bytes=CPU_BLOCK_BYTES if on_cpu else ACCELERATOR_BLOCK_BYTES,
+        min_block_rows=CPU_MIN_BLOCK if on_cpu else 1,
+        probe_options=tuple(_probe_options(backend).items()),
+    )
+    by_gemm_only = not on_cpu and plan.block is Block.PAIR_PROGRAM
+    if plan.block in _PAIR_PROGRAMS and _pair_program_takes(kernel, dim, dtype, plan, by_gemm_only):
+        if on_cpu:
+            return plan
+        gradient = ACCELERATOR_WIDE_BLOCK_BYTES // 2 if plan.block is Block.PAIR_PROGRAM else plan.block_bytes
+        return dataclasses.replace(plan, block_bytes=ACCELERATOR_WIDE_BLOCK_BYTES, gradient_block_bytes=gradient)
+    own = Block.CROSS_COVARIANCE if hasattr(kernel, "cross_covariance") else Block.VMAP
+    return dataclasses.replace(plan, block=own)
+
+
+def _contraction_precision():
+    """The precision of a block times the operand: JAX's default where the user has set one (by
+    ``jax_default_matmul_precision``, globally or in a ``with``), else HIGHEST. JAX's own default lets an
+    accelerator round a matrix-matrix product to bf16 (3 decimal digits on a TPU; TF32 on a GPU); HIGHEST is
+    float32 everywhere and changes nothing on a CPU."""
+    return None if jax.config.jax_default_matmul_precision is not None else jax.lax.Precision.HIGHEST
+
+
+def _float64_in_traces():
+    """Whether float64 values can be made in a trace, x64 on or off: from JAX 0.8 (before, x64 switched on inside
+    a trace failed to lower)."""
+    return hasattr(jax, "enable_x64") and _JAX_VERSION >= (0, 8)
+
+
+@functools.cache
+def _probe_options(backend):
+    """The _PROBE_OPTIONS for ``backend`` that this XLA knows (one older than jaxlib 0.5.3 has no
+    ``xla_cpu_use_fusion_emitters``)."""
+    options = _PROBE_OPTIONS.get(backend, {})
+    return {name: value for name, value in options.items() if _known_to_xla(backend, name, value)}
+
+
+def _known_to_xla(backend, name, value):
+    """Whether XLA compiles for ``backend`` with the option ``name`` set to ``value``."""
+    try:
+        with jax.default_device(jax.local_devices(backend=backend)[0]):
+            jax.jit(lambda x: x).lower(0.0).compile({name: value})
+    except Exception:  # XlaRuntimeError, by another name in each JAX: "No such compile option"
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------
+# 3. The engine
+# --------------------------------------------------------------------------
 
 
 def _blockwise_matmul(rows_times, points, rhs_width, dtype, block, checkpoint, inputs):
@@ -208,6 +353,33 @@ def _blockwise_matmul(rows_times, points, rhs_width, dtype, block, checkpoint, i
     return jax.lax.fori_loop(0, -(-n // block), body, out) if n else out
 
 
+def _contract(block, rhs, plan):
+    """``block`` [b, n] times ``rhs`` [n, width] at the plan's precision; in chunks of columns where it says."""
+    chunk = plan.contraction_chunk
+    if chunk and rhs.shape[0] > chunk and rhs.shape[1] > 1:  # a matrix-vector product is float32 already
+        return _chunked_contract(block, rhs, chunk, plan.contraction_precision)
+    return jax.lax.dot_general(block, rhs, (((1,), (0,)), ((), ())), plan.contraction_precision)
+
+
+def _chunked_contract(block, rhs, chunk, precision):
+    """``block @ rhs`` as one product per ``chunk`` columns, whose results the vector unit adds: a TPU v5e's matrix
+    unit rounds a long float32 sum toward zero, by 90 eps of the scale at N = 65536 (2 eps at N = 2048).
+
+    The columns are padded to whole chunks with zero rows of rhs. The optimization barriers keep XLA from
+    folding the chunks' sum back into one product, and the block whole: fused into the product, a written-out
+    block whose kernel's arrays are inputs (under ``grad`` in them, say) took XLA:TPU 17.8 GB of temporaries.
+    """
+    (rows, n), width = block.shape, rhs.shape[1]
+    pad = -n % chunk
+    block = jax.lax.optimization_barrier(jnp.pad(block, ((0, 0), (0, pad))) if pad else block)
+    rhs = jnp.pad(rhs, ((0, pad), (0, 0))) if pad else rhs
+    chunks = (n + pad) // chunk
+    within_chunks = (((2,), (1,)), ((1,), (0,)))  # contract within a chunk, batch over chunks
+    block, rhs = block.reshape(rows, chunks, chunk), rhs.reshape(chunks, chunk, width)
+    partial = jax.lax.dot_general(block, rhs, within_chunks, precision)
+    return jnp.sum(jax.lax.optimization_barrier(partial), 0)
+
+
 def _is_array(leaf):
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
 
@@ -227,7 +399,7 @@ def _zeros_varying_like(shape, dtype, tree):
 
 
 # --------------------------------------------------------------------------
-# 3. The operator
+# 4. The operator
 # --------------------------------------------------------------------------
 
 
@@ -354,17 +526,17 @@ class LazyKernel:
 
     def _product(self, rhs, dtype, block):
         """``K @ rhs``, rhs [N, width], by the engine at ``block`` rows per block."""
+        plan = self._plan()
         op, rhs = (self, rhs) if self.checkpoint else _warn_if_differentiated((self, rhs))
         kernel, cols, transposed = op.kernel, jnp.asarray(op.x2), op.transposed
-        precision, chunk = _contraction_precision(), _contraction_chunk(*rhs.shape)
-        padded_cols, padded_rhs = _padded(cols, rhs, chunk)
 
         def rows_times(rows):
-            block, stored_transposed = _block(kernel, rows, padded_cols, transposed)
-            contracted = 0 if stored_transposed else 1  # a stored transpose, [len(cols), len(rows)]: its first axis
-            return _contract(block.astype(dtype), padded_rhs, contracted, precision, chunk)
+            return _contract(_block(kernel, rows, cols, transposed, plan).astype(dtype), rhs, plan)
 
         return _blockwise_matmul(rows_times, jnp.asarray(op.x1), rhs.shape[1], dtype, block, op.checkpoint, (op, rhs))
+
+    def _plan(self):
+        return block_plan(self.kernel, self.x1.shape[1], jnp.result_type(self.x1.dtype, self.x2.dtype))
 
     @property
     def block_rows(self) -> int:
@@ -418,7 +590,7 @@ class LazyKernel:
         return jax.vmap(self.kernel)(*((x2, x1) if self.transposed else (x1, x2))).astype(self.dtype)
 
     def __repr__(self):
-        known = _measured_block(self, 1, self.dtype, given=self.batch_size, cached_only=True)
+        known = MEASURED_BLOCKS and _measured_block(self, 1, self.dtype, given=self.batch_size, cached_only=True)
         measured = f", block_rows={known.rows}, peak_mb={known.peak_mb:.3g}" if known else ""
         return (
             f"LazyKernel({self.kernel!r}, shape={self.shape}, dtype={self.dtype}, "
@@ -448,51 +620,6 @@ class LazyKernel:
         return op
 
 
-def _contraction_precision():
-    """The precision of a block times the operand: JAX's default where the user has set one (by
-    ``jax_default_matmul_precision``, globally or in a ``with``), else HIGHEST. JAX's own default lets an
-    accelerator round a matrix-matrix product to bf16 (3 decimal digits on a TPU; TF32 on a GPU); HIGHEST is
-    float32 everywhere and changes nothing on a CPU."""
-    return None if jax.config.jax_default_matmul_precision is not None else jax.lax.Precision.HIGHEST
-
-
-def _contraction_chunk(n, width):
-    """Columns of K that one matrix-unit product sums, for an operand [n, width]: ``CONTRACTION_CHUNK`` in a
-    matrix-matrix product of more columns on an accelerator; else None, all of them."""
-    if n <= CONTRACTION_CHUNK or width == 1 or jax.default_backend() == "cpu":
-        return None
-    return CONTRACTION_CHUNK if hasattr(jax.lax, "optimization_barrier") else None  # JAX 0.4.31 on: see _contract
-
-
-def _padded(cols, rhs, chunk):
-    """The column points and the operand's rows padded to a whole number of chunks: copies of the last point (a
-    kernel finite there is finite on them) against zero rows, which add exact zeros."""
-    pad = -cols.shape[0] % chunk if chunk else 0
-    if not pad:
-        return cols, rhs
-    cols = jnp.concatenate([cols, jnp.broadcast_to(cols[-1:], (pad, cols.shape[1]))])
-    return cols, jnp.concatenate([rhs, jnp.zeros((pad, rhs.shape[1]), rhs.dtype)])
-
-
-def _contract(block, rhs, axis, precision, chunk):
-    """``block`` times ``rhs``, contracting the block's ``axis`` with the rows of rhs.
-
-    With ``chunk``, as one product per chunk of columns, whose results the vector unit adds: a TPU v5e's matrix
-    unit rounds a long float32 sum toward zero, by 90 eps of the scale at N = 65536 (2 eps at N = 2048). The
-    optimization barriers keep XLA from folding the sum of the chunks back into one product, and the block
-    whole: fused into the product, a written-out block of 1024 rows, N = 65536 and D = 64 whose kernel's arrays
-    are inputs (under ``grad`` in them, say) took XLA:TPU 17.8 GB of temporaries, [rows, N, D] values.
-    """
-    n, width = rhs.shape
-    if not chunk:
-        return jax.lax.dot_general(block, rhs, (((axis,), (0,)), ((), ())), precision)
-    block = jax.lax.optimization_barrier(block)
-    chunks = (*block.shape[:axis], n // chunk, chunk, *block.shape[axis + 1 :])
-    numbers = (((axis + 1,), (1,)), ((axis,), (0,)))  # contract within a chunk, batch over chunks
-    partial = jax.lax.dot_general(block.reshape(chunks), rhs.reshape(n // chunk, chunk, width), numbers, precision)
-    return jnp.sum(jax.lax.optimization_barrier(partial), 0)
-
-
 @jax.custom_jvp
 def _warn_if_differentiated(op_and_operand):
     """``(op, operand)`` as they are; differentiating through them warns that blocks are not checkpointed."""
@@ -513,59 +640,40 @@ def _warn_on_derivative(primals, tangents):
 
 
 # --------------------------------------------------------------------------
-# 4. Layer: the pair program, fast blocks with the vmap form's numbers
+# 5. Layer: the pair program, fast blocks with the vmap form's numbers
 # --------------------------------------------------------------------------
 #
 # ``_vmap_block`` turns a pair kernel into a [b, n, D] computation, and XLA on
 # CPU runs its sum over the short feature axis D several times slower than the
 # exponential after it, and its gradient tens of times. ``_pair_program_block``
 # runs the kernel's jaxpr (its program on one pair of points) once for the
-# whole block instead, equation by equation, holding each value of shape S
-# (say [D] or []) as
+# whole block instead, equation by equation (``_run``, the loop of JAX's
+# "Writing custom interpreters", each equation's rule chosen by ``_RULES``),
+# holding each value of shape S (say [D] or []) as
 #
 # - an array [B, N, *S], B in {1, b} and N in {1, n}: a value of x alone is
 #   [b, 1, *S], of y alone [1, n, *S], of neither [1, 1, *S], so whatever
 #   depends on one point is computed once per point, not once per pair;
-# - ``_Looped``: a value of both points with one axis of D features, as a
-#   function from a feature index to its [b, n] array, so that a sum over
-#   features is a ``fori_loop`` adding one [b, n] array at a time, its body
-#   recomputed in reverse mode rather than stored: no [b, n, D] array is
-#   made unless an equation other than a sum needs one;
-# - ``_Split``: a value of both points with at most ``SPLIT_FEATURES_MAX``
-#   elements, as one [b, n] array each, written out.
+# - ``_WrittenOut``: a value of both points with at most the plan's
+#   ``written_out`` features, as one [b, n] array each;
+# - ``_ByFeature``: one with more, along one axis, as a function from a
+#   feature index to its [b, n] array. A sum over its features is the plan's
+#   ``feature_sum``: a ``fori_loop`` adding one [b, n] array at a time, its
+#   body recomputed in reverse mode rather than stored, or at once on its
+#   [b, n, D] values. No [b, n, D] array is made unless a sum at once, or an
+#   equation other than a sum, needs one.
 #
 # Every rule applies the vmap form's primitives to the same values, with four
 # exceptions: sums (``reduce_sum``, a dot of two vectors) may add their terms
-# in another order, two points scaled alike are subtracted before they are
-# scaled (``_Scaled``), ``a * a`` (or a dot of ``a`` with itself) in the loop
-# is ``a ** 2``: the same values and derivatives, but reverse mode through
-# ``a * a`` adds ``ct * a`` twice, which took RBF's gradient 1.4x to 1.5x as
-# long at D = 256; and a sum of squared scaled differences is a GEMM: from
-# GEMM_FEATURES_MIN features where its error bound is within 4x the direct
-# sum's (``_squared_distance``), and for float32 points from
-# WIDE_GEMM_FEATURES_MIN features in float64 where the kernel takes its error
-# (``_wide_squared_distance``). An equation no rule takes is vmapped on its own
-# (``_by_vmap``), and a kernel the program does not take at all (``None``)
-# gets the vmap form.
-#
-# On an accelerator the vmap form's [b, n, D] values hold D in the vector
-# unit's lanes, mostly empty at small D. There the program runs at D in
-# ACCELERATOR_FEATURES, every feature written out (a loop would be a pass over
-# memory per feature), for values only: its derivatives are the vmap form's
-# (``_pair_program_forward``). From GEMM_FEATURES_MIN it runs where a sum of
-# squares is the GEMM (``_squared_distance``), differentiated as it is, its
-# other sums over features taken at once on [b, n, D] values, as the vmap form
-# takes them; elsewhere a block is the vmap form.
+# in another order; two points scaled alike are subtracted before they are
+# scaled (``_Scaled``); the square of a value of both points is ``a ** 2``
+# (the same values and derivatives, but reverse mode through ``a * a`` adds
+# ``ct * a`` twice); and |s (x - y)|^2, recognised by ``_squaring``, is
+# computed as the plan's ``squared_distances`` say (``_sum_of_squares``). An
+# equation no rule takes is vmapped on its own (``_by_vmap``), and a kernel
+# the program does not take at all gets the vmap form.
 
-SPLIT_FEATURES_MAX = 2  # bench_lazy_kernel.py --split: from 3 features on, the loop was faster
-SUM_CHUNK = 4  # features summed pairwise per step of the loop (_looped_sum; bench_lazy_kernel.py --chunks)
-WIDE_GEMM_FEATURES_MIN = 8  # bench_lazy_kernel.py --wide: at D = 4 the loop's K @ v was faster, at 8 slower
-GEMM_FEATURES_MIN = 128  # bench_lazy_kernel.py --gemm: at D = 64, random points had 2.2 pairs per row the GEMM
-# cannot vouch for, so every block fell back to the loop, and took 1.2x the loop's time
-ACCELERATOR_FEATURES = range(2, 65)  # off the CPU, the program runs on points of these many features, each one
-# written out (_Split); TPU v5e, N = 32768 (bench_lazy_kernel.py --accelerator-features), RBF's K @ v took the
-# vmap form's time times 0.61 and 0.63 at D = 2 and 3, 0.58 at 8, 0.72 at 16, 0.90 at 32 (Matern52's 0.58 to
-# 0.96); at 1 and 4 the same; at 48 and 64 (in blocks of ACCELERATOR_WIDE_BLOCK_BYTES) 0.75 and 0.76
+SUM_CHUNK = 4  # features summed pairwise per step of the loop (_looped_sum)
 
 _ELEMENTWISE = frozenset(
     "abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp complex conj convert_element_type copy "
@@ -575,70 +683,70 @@ _ELEMENTWISE = frozenset(
 )
 
 
-def _pair_program_form(dim):
-    """How blocks of points with ``dim`` features come from the pair program here: ``"whole"`` (the CPU: the
-    program, differentiated as it is), ``"forward"`` (an accelerator at D in ACCELERATOR_FEATURES: values only,
-    see _pair_program_forward), ``"by GEMM"`` (an accelerator from GEMM_FEATURES_MIN: only where a squared
-    distance is the GEMM), or None (the vmap form)."""
-    if not PAIR_PROGRAM:
-        return None
-    if jax.default_backend() == "cpu":
-        return "whole"
-    if dim in ACCELERATOR_FEATURES:
-        return "forward"
-    return "by GEMM" if dim >= GEMM_FEATURES_MIN else None
+def _pair_program_takes(kernel, dim, dtype, plan, by_gemm_only):
+    """Whether the pair program makes blocks of ``kernel`` as ``plan`` says: a kernel without effects whose
+    ``cross_covariance``, if any, is the vmap form; ``by_gemm_only``, one with a squared distance (the GEMM's)."""
+    point = jax.ShapeDtypeStruct((dim,), dtype)
+    if _pair_program(kernel, point, point) is None:
+        return False
+    if not by_gemm_only:
+        return True
+    return _probe_run(kernel, dim, dtype, dataclasses.replace(plan, squared_distances=())).squared_distance
 
 
-def _pair_program_here(kernel, xa, xb, transposed):
-    """The pair program's block as this backend takes it (_pair_program_form); None where it does not."""
-    form = _pair_program_form(xa.shape[1])
-    if form == "forward":
-        return _pair_program_forward(kernel, xa, xb, transposed)
-    if form is None:
-        return None
-    return _pair_program_block(kernel, xa, xb, transposed, by_gemm_only=form == "by GEMM")
+def _probe_run(kernel, dim, dtype, plan):
+    """The pair program's run on small abstract blocks (traced, not run)."""
+    runs = []
+    jax.eval_shape(
+        lambda xa, xb: runs.append(_pair_program_run(kernel, xa, xb, False, plan)), *_probe_blocks(dim, dtype)
+    )
+    return runs[0]
 
 
-def _split_features_max():
-    """The most features a value of both points is written out in (_Split): past it, the CPU's loop (_Looped).
-    An accelerator has no loop: there each feature of the loop would be a pass over memory."""
-    return SPLIT_FEATURES_MAX if jax.default_backend() == "cpu" else max(ACCELERATOR_FEATURES)
-
-
-def _pair_program_forward(kernel, xa, xb, transposed):
-    """The pair program's block, differentiated as the vmap form (jvp, grad, hessian alike); None where the
-    program does not apply. On a TPU v5e, XLA compiled one gradient of the program's block for minutes (a kernel
-    of several transcendental functions, D = 2), and at D = 8 ran it 3.3x slower than the vmap form's."""
-    if _pair_program(kernel, xa, xb, transposed) is None:
-        return None
+def _pair_program_block(kernel, xa, xb, transposed, plan):
+    """The block ``kernel_block`` asks for, from the kernel's jaxpr run on whole blocks. With the plan's block
+    ``PAIR_PROGRAM_VALUES``, differentiated as the vmap form (jvp, grad, hessian alike): on a TPU v5e, XLA compiled
+    one gradient of the program's block for minutes, and at D = 8 ran it 3.3x slower than the vmap form's."""
+    if plan.block is Block.PAIR_PROGRAM:
+        return _pair_program_run(kernel, xa, xb, transposed, plan).block
     pair, consts = jax.closure_convert(lambda x, y: kernel(x, y), *((xb[0], xa[0]) if transposed else (xa[0], xb[0])))
-    return _forward_block(pair, transposed, xa, xb, *consts)
+    return _values_block(pair, transposed, plan, xa, xb, *consts)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _forward_block(pair, transposed, xa, xb, *consts):
-    return _pair_program_block(lambda x, y: pair(x, y, *consts), xa, xb, transposed)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
+def _values_block(pair, transposed, plan, xa, xb, *consts):
+    return _pair_program_run(lambda x, y: pair(x, y, *consts), xa, xb, transposed, plan).block
 
 
-@_forward_block.defjvp
-def _forward_block_jvp(pair, transposed, primals, tangents):
+@_values_block.defjvp
+def _values_block_jvp(pair, transposed, plan, primals, tangents):
     vmapped = lambda xa, xb, *consts: _vmap_block(lambda x, y: pair(x, y, *consts), xa, xb, transposed)  # noqa: E731
     return jax.jvp(vmapped, primals, tangents)
 
 
-class _Split:
+def _pair_program_run(kernel, xa, xb, transposed, plan):
+    """The kernel's program run on the block: its ``block``, and what the rules did (``vmapped``, ...)."""
+    first, second = (xb, xa) if transposed else (xa, xb)
+    program = _pair_program(kernel, first[0], second[0])  # traced on them: under shard_map, as they vary
+    rows, cols = xa[:, None, :], xb[None, :, :]  # [b, 1, D] and [1, n, D]: values of x alone, of y alone
+    run = _Run(program, _scaled_inputs(*((cols, rows) if transposed else (rows, cols)), plan), plan)
+    run.block = jnp.broadcast_to(run.value(), (xa.shape[0], xb.shape[0]))
+    return run
+
+
+class _WrittenOut:
     """A value of both points with features: a NumPy object array of shape S holding [b, n] arrays."""
 
     def __init__(self, parts):
         self.parts = parts
 
 
-class _Looped:
-    """A value of both points with D > SPLIT_FEATURES_MAX features, shape [D]: ``feature(i)`` computes feature
-    ``i`` (traced) as a [b, n] array, ``dense()`` all of them as [b, n, D], for an equation that needs them.
+class _ByFeature:
+    """A value of both points with more features than the plan writes out, shape [D]: ``feature(i)`` computes
+    feature ``i`` (traced) as a [b, n] array, ``dense()`` all of them as [b, n, D].
 
     ``difference``: the two _Scaled points, where the value is their difference scaled (``steps(x - y)``);
-    ``square_of``: the same, where it is that difference squared (see _squared_distance).
+    ``square_of``: the same, where it is that difference squared (see _squaring).
     """
 
     def __init__(self, size, feature, dense, difference=None, square_of=None):
@@ -646,40 +754,25 @@ class _Looped:
         self.difference, self.square_of = difference, square_of
 
 
-def _pair_program_block(kernel, xa, xb, transposed=False, vmapped=None, by_gemm_only=False):
-    """The block ``kernel_block`` asks for, from the kernel's jaxpr run on whole blocks; None where the program
-    does not apply (see _pair_program), or, ``by_gemm_only``, where no squared distance is the GEMM. ``vmapped``,
-    a set, collects the equations vmapped on values of both points."""
-    program = _pair_program(kernel, xa, xb, transposed)
-    if program is None:
+def _pair_program(kernel, x, y):
+    """The kernel's program on one pair of points ``x`` and ``y``; None where the pair program does
+    not apply: to kernels with effects (``jax.debug.print``, say), or to a kernel whose own ``cross_covariance``
+    is more than the vmap form."""
+    if not _vmap_or_no_cross_covariance(kernel, x.shape[0], jnp.result_type(x.dtype, y.dtype)):
         return None
-    rows, cols = xa[:, None, :], xb[None, :, :]  # [b, 1, D] and [1, n, D]: values of x alone, of y alone
-    first, second = (cols, rows) if transposed else (rows, cols)
-    run = _Run(program, _scaled_inputs(first, second), set() if vmapped is None else vmapped)
-    value = run.value()
-    if by_gemm_only and not run.by_gemm:
-        return None
-    return jnp.broadcast_to(value, (xa.shape[0], xb.shape[0]))
-
-
-def _pair_program(kernel, xa, xb, transposed):
-    """The kernel's program on one pair of points; None where the pair program does not apply: to empty blocks,
-    to kernels with effects (``jax.debug.print``, say), or to a kernel whose own ``cross_covariance`` is more
-    than the vmap form."""
-    if not (xa.shape[0] and xb.shape[0]) or not _vmap_or_no_cross_covariance(kernel, xa, xb):
-        return None
-    pair = (xb[0], xa[0]) if transposed else (xa[0], xb[0])
-    program = jax.make_jaxpr(lambda x, y: kernel(x, y))(*pair)  # __name__ may not be a str
+    program = jax.make_jaxpr(lambda x, y: kernel(x, y))(x, y)  # __name__ may not be a str
     return None if program.jaxpr.effects else program
 
 
 class _Run:
-    """One evaluation of a kernel's program on a block, as the rules see it. ``vmapped`` collects the equations
-    vmapped on values of both points; ``given`` maps equations (by id) to the outputs a tail probe gives them."""
+    """One evaluation of a kernel's program on a block, as the rules see it, made as ``plan`` says. ``vmapped``
+    collects the equations vmapped on values of both points; ``given`` maps equations (by id) to the outputs a tail
+    probe gives them."""
 
-    def __init__(self, program, inputs, vmapped, given=None):
-        self.program, self.inputs, self.vmapped, self.given = program, inputs, vmapped, given or {}
-        self.by_gemm = False  # whether a squared distance is the GEMM (_squared_distance)
+    def __init__(self, program, inputs, plan, given=None):
+        self.program, self.inputs, self.plan, self.given = program, inputs, plan, given or {}
+        self.vmapped = set()
+        self.squared_distance = False  # whether the program sums |s (x - y)|^2 (_sum_of_squares)
 
     def value(self):
         """The block, [B, N] with B in {1, b} and N in {1, n}."""
@@ -691,7 +784,7 @@ class _Run:
         that output given, in float64 (see _in_float64); None where the value depends on the points otherwise
         too, or where its program does not run in float64."""
         given = lambda out: {**self.given, id(eqn): [out.reshape(1, 1)]}  # noqa: E731
-        program = jax.make_jaxpr(lambda out: _Run(self.program, self.inputs, set(), given(out)).value())
+        program = jax.make_jaxpr(lambda out: _Run(self.program, self.inputs, self.plan, given(out)).value())
         program = program(jnp.zeros((), eqn.outvars[0].aval.dtype))
         return _in_float64(program) if program.out_avals[0].shape == (1, 1) else None
 
@@ -724,12 +817,10 @@ def _run(jaxpr, consts, args, run):
             inner = _called(eqn)
             outs = _run(inner.jaxpr, inner.consts, args, run)
         else:
-            outs = _scaling_rule(eqn, args)
-            if outs is None:
-                args = [_evaluated(a) for a in args]
-                rule = _RULES.get(eqn.primitive.name)
-                outs = rule(eqn, args, run) if rule else None
+            rule = _RULES.get(eqn.primitive.name)
+            outs = rule(eqn, args, run) if rule else None
         if outs is None:
+            args = [_evaluated(a) for a in args]
             if any(_of_both([a]) for a in args):  # an argument of both points: vmapped on pairs
                 run.vmapped.add(eqn.primitive.name)
             outs = _by_vmap(eqn, args)
@@ -758,33 +849,40 @@ def _equation_key(eqn, args):
     return eqn.primitive, params, tuple(map(id, args))
 
 
-def _elementwise(eqn, args):
-    """An elementwise equation: per feature on a value of both points with 1 to ``_split_features_max()``
-    features, feature by feature when summed on one with more (_Looped), else on the arguments broadcast
-    against each other."""
-    shape, split = eqn.outvars[0].aval.shape, _split_features_max()
-    if _of_both(args) and shape and 0 < math.prod(shape) <= split:
+def _elementwise(eqn, args, plan):
+    """An elementwise equation: per feature on a value of both points with 1 to the plan's ``written_out``
+    features, feature by feature on one with more (_ByFeature), else on the arguments broadcast against each
+    other."""
+    shape, written_out = eqn.outvars[0].aval.shape, plan.written_out
+    if _of_both(args) and shape and 0 < math.prod(shape) <= written_out:
         parts = np.empty(shape, object)
         for index in np.ndindex(shape):
             (parts[index],) = _bind_broadcast(eqn, [_feature(a, index) for a in args])
-        return [_Split(parts)]
-    if _of_both(args) and len(shape) == 1 and shape[0] > split:
+        return [_WrittenOut(parts)]
+    if _of_both(args) and len(shape) == 1 and shape[0] > written_out:
         sources = [_features_of(a) for a in args]
         feature = lambda i: _bind_broadcast(eqn, [f(i) for f in sources])[0]  # noqa: E731
-        name, power = eqn.primitive.name, eqn.params.get("y")
-        squaring = args[0] is args[-1] and (name in ("mul", "square") or (name == "integer_pow" and power == 2))
-        if squaring and name == "mul":
+        squaring = _squaring(eqn, args)
+        if squaring and eqn.primitive.name == "mul":
             feature = _squared(sources[0])
         square_of = getattr(args[0], "difference", None) if squaring else None
         dense = lambda: _broadcast_elementwise(eqn, [_dense(a) for a in args])[0]  # noqa: E731
-        return [_Looped(shape[0], feature, dense, _scaled_difference(eqn, args), square_of)]
+        return [_ByFeature(shape[0], feature, dense, _scaled_difference(eqn, args), square_of)]
     return _broadcast_elementwise(eqn, [_dense(a) for a in args])
 
 
+def _squaring(eqn, args):
+    """Whether ``eqn`` squares its argument: ``a * a``, ``square(a)``, ``a ** 2`` or a dot of ``a`` with itself.
+    Where that is ``steps(x - y)`` (a _ByFeature's ``difference``), the square is |s (x - y)|^2."""
+    name = eqn.primitive.name
+    power = name == "integer_pow" and eqn.params["y"] == 2
+    return args[0] is args[-1] and (name in ("mul", "square", "dot_general") or power)
+
+
 def _scaled_difference(eqn, args):
-    """For an equation that negates, multiplies or divides a scaled difference of two points (a _Looped's
+    """For an equation that negates, multiplies or divides a scaled difference of two points (a _ByFeature's
     ``difference``) by a value of neither point: the two points with that step added; else None."""
-    tagged = [i for i, a in enumerate(args) if isinstance(a, _Looped) and a.difference]
+    tagged = [i for i, a in enumerate(args) if isinstance(a, _ByFeature) and a.difference]
     if len(tagged) != 1 or eqn.outvars[0].aval.dtype != args[tagged[0]].difference[0].point.dtype:
         return None
     step = _scaling_step(eqn, args, tagged[0])
@@ -804,52 +902,57 @@ def _broadcast_elementwise(eqn, args):
     return _bind(eqn, [jnp.broadcast_to(a, common) for a in args])
 
 
-def _split_sum(eqn, args, run):
-    """``reduce_sum`` of a _Split: a sum of [b, n] arrays; of a _Looped: their sum in a loop."""
+def _feature_sum_rule(eqn, args, run):
+    """``reduce_sum`` of a _WrittenOut: a sum of [b, n] arrays; of a _ByFeature: the plan's feature sum."""
     (a,) = args
-    if isinstance(a, _Looped):
+    if isinstance(a, _ByFeature):
         return [_sum_of_squares(eqn, run, a.size, a.square_of, a.feature, a.dense)]
-    if not isinstance(a, _Split):
+    if not isinstance(a, _WrittenOut):
         return None
     axes = tuple(eqn.params["axes"])
     if len(axes) == a.parts.ndim:
         return [_pairwise(list(a.parts.flat))]
     total = np.sum(a.parts, axis=axes)
     if isinstance(total, np.ndarray):
-        return [_Split(total) if total.ndim else total[()]]
+        return [_WrittenOut(total) if total.ndim else total[()]]
     return [total]
 
 
-def _split_dot(eqn, args, run):
-    """A dot of two float vectors, one of them a _Split or _Looped: the sum of their products."""
+def _feature_dot_rule(eqn, args, run):
+    """A dot of two float vectors, one of them a _WrittenOut or _ByFeature: the sum of their products."""
     (contract, batch), out = eqn.params["dimension_numbers"], eqn.outvars[0].aval
     inputs = [var.aval for var in eqn.invars]
     plain = all(a.ndim == 1 and a.dtype == out.dtype for a in inputs) and jnp.issubdtype(out.dtype, jnp.floating)
-    features = [isinstance(a, (_Split, _Looped)) for a in args]
+    features = [isinstance(a, (_WrittenOut, _ByFeature)) for a in args]
     if not (any(features) and plain and contract == ((0,), (0,)) and batch == ((), ())):
         return None
-    x, y = args
-    if not any(isinstance(a, _Split) for a in args):
+    x, y = map(_evaluated, args)
+    if not any(isinstance(a, _WrittenOut) for a in args):
         size = inputs[0].shape[0]
-        if x is y:
+        if _squaring(eqn, [x, y]):
             square = lambda: jax.lax.integer_pow(_dense(x), 2)  # noqa: E731
             return [_sum_of_squares(eqn, run, size, getattr(x, "difference", None), _squared(_features_of(x)), square)]
         product = lambda: _dense(x) * _dense(y)  # noqa: E731
         x, y = _features_of(x), _features_of(y)
-        return [_feature_sum(size, lambda i: x(i) * y(i), product)]
+        return [_feature_sum(size, lambda i: x(i) * y(i), product, run.plan)]
     return [_pairwise([_feature(x, (d,)) * _feature(y, (d,)) for d in range(inputs[0].shape[0])])]
 
 
-_RULES = {  # primitive name -> rule(eqn, block values) -> outputs, or None: vmap the equation
-    **dict.fromkeys(_ELEMENTWISE, lambda eqn, args, run: _elementwise(eqn, args)),
-    "reduce_sum": _split_sum,
-    "dot_general": _split_dot,
+def _elementwise_rule(eqn, args, run):
+    """Scaling a point, or subtracting two scaled alike (_scaling_rule); else _elementwise."""
+    return _scaling_rule(eqn, args) or _elementwise(eqn, list(map(_evaluated, args)), run.plan)
+
+
+_RULES = {  # primitive name -> rule(eqn, block values, run) -> outputs, or None: vmap the equation
+    **dict.fromkeys(_ELEMENTWISE, _elementwise_rule),
+    "reduce_sum": _feature_sum_rule,
+    "dot_general": _feature_dot_rule,
 }
 
 
 def _of_both(args):
     """Whether block values together depend on both points."""
-    if any(isinstance(a, (_Split, _Looped)) for a in args):
+    if any(isinstance(a, (_WrittenOut, _ByFeature)) for a in args):
         return True
     return any(a.shape[0] > 1 for a in args) and any(a.shape[1] > 1 for a in args)
 
@@ -859,9 +962,9 @@ def _feature(a, index):
 
     An axis of size 1 broadcasts, as in ``lax.sub(f32[3], f32[1])``: its one feature serves every index.
     """
-    shape = a.parts.shape if isinstance(a, _Split) else a.shape[2:]
+    shape = a.parts.shape if isinstance(a, _WrittenOut) else a.shape[2:]
     index = tuple(0 if size == 1 else i for i, size in zip(index[len(index) - len(shape) :], shape, strict=True))
-    if isinstance(a, _Split):
+    if isinstance(a, _WrittenOut):
         return a.parts[index]
     return a[(slice(None), slice(None), *index)]
 
@@ -869,7 +972,7 @@ def _feature(a, index):
 def _features_of(a):
     """A block value of shape [D] or [1], or a scalar, as a function of a feature index (traced): its [B, N]
     array there."""
-    if isinstance(a, _Looped):
+    if isinstance(a, _ByFeature):
         return a.feature
     a = _dense(a)
     if a.ndim == 2 or a.shape[2] == 1:
@@ -884,34 +987,29 @@ def _squared(feature):
     return lambda i: jax.lax.integer_pow(feature(i), 2)
 
 
-def _feature_sum(size, feature, dense):
-    """The sum over features of a value of both points: of ``feature(i)``, i < size, in a loop on CPU; on an
-    accelerator of ``dense()``, its [b, n, D] values, at once (a loop there is a pass over memory per feature)."""
-    return _looped_sum(size, feature) if jax.default_backend() == "cpu" else jnp.sum(dense(), 2)
+def _feature_sum(size, feature, dense, plan):
+    """The sum over features of a value of both points, as the plan says: of ``feature(i)``, i < size, in a loop,
+    or of ``dense()``, its [b, n, D] values, at once."""
+    return _looped_sum(size, feature) if plan.feature_sum is FeatureSum.LOOP else jnp.sum(dense(), 2)
 
 
 def _sum_of_squares(eqn, run, size, square_of, feature, dense):
-    """The sum of ``feature(i)``, i < size (``dense()``: all of them), the output of ``eqn``. Where it is the
-    square of ``steps(x - y)`` (``square_of``, the two _Scaled points): from GEMM_FEATURES_MIN features by the
-    GEMM (_squared_distance; on an accelerator float32 points only); on CPU, of float32 points from
-    WIDE_GEMM_FEATURES_MIN features by the float64 GEMM, if the kernel's value is a function of this sum alone
-    (below GEMM_FEATURES_MIN, and where the GEMM falls back). Else as _feature_sum."""
-    exact = functools.partial(_feature_sum, size, feature, dense)
-    dtype = None if square_of is None else square_of[0].point.dtype
-    if jax.default_backend() != "cpu":  # no fast float64: the float32 GEMM or the sum
-        if size < GEMM_FEATURES_MIN or dtype != jnp.float32 or run.given:
-            return exact()
-        run.by_gemm = True
-        return _squared_distance(*square_of, exact)
-    if dtype == jnp.float32 and size >= WIDE_GEMM_FEATURES_MIN and not run.given and _float64_in_traces():
-        tail = run.tail(eqn)
-        if tail is not None:
-            exact = functools.partial(_wide_squared_distance, *square_of, exact, tail)
-            if size < GEMM_FEATURES_MIN:
-                return exact()
-    if size < GEMM_FEATURES_MIN or dtype not in (jnp.float32, jnp.float64):
-        return exact()
-    return _squared_distance(*square_of, exact)
+    """The sum of ``feature(i)``, i < size (``dense()``: all of them), the output of ``eqn``. Where it is
+    |steps(x - y)|^2 (``square_of``, the two _Scaled points), by the plan's ``squared_distances``, each falling
+    back to the next and the last to the direct sum: the GEMM (_squared_distance), and the float64 GEMM
+    (_wide_squared_distance) where the kernel's value is a function of this sum alone. Else _feature_sum."""
+    direct = functools.partial(_feature_sum, size, feature, dense, run.plan)
+    if square_of is None:
+        return direct()
+    run.squared_distance, fallback = True, direct
+    for form in reversed(run.plan.squared_distances):
+        if form is Distance.GEMM:
+            fallback = functools.partial(_squared_distance, *square_of, fallback)
+        elif not run.given:  # Distance.FLOAT64_GEMM; not while its own tail is probed
+            tail = run.tail(eqn)
+            if tail is not None:
+                fallback = functools.partial(_wide_squared_distance, *square_of, fallback, tail)
+    return fallback()
 
 
 def _rows_and_columns(first, second):
@@ -1017,12 +1115,6 @@ def _run_widened(jaxpr, consts, args):
     return [read(var) for var in jaxpr.outvars]
 
 
-def _float64_in_traces():
-    """Whether float64 values can be made in a trace, x64 on or off: from JAX 0.8 (before, x64 switched on inside
-    a trace failed to lower; older JAX keeps the forms without the float64 GEMM)."""
-    return hasattr(jax, "enable_x64") and _JAX_VERSION >= (0, 8)
-
-
 def _float64():
     """A context in which float64 values can be made."""
     return contextlib.nullcontext() if jax.config.jax_enable_x64 else jax.enable_x64(True)
@@ -1035,9 +1127,7 @@ def _squared_distance(first, second, exact):
     The GEMM's d^2 has an error bound of about eps (|a|^2 + |b|^2 + 2 |a| |b|) <= 2 eps (|a|^2 + |b|^2), the
     direct sum's eps d^2: so the GEMM vouches for a pair where d^2 >= (|a|^2 + |b|^2) / 2. Two pairs in a row
     that it cannot vouch for (a duplicate point and a near one, say) are recomputed directly; a block with a
-    row with more falls back to ``exact()``, recomputed in reverse mode (under ``vmap``, both run). At D = 128,
-    Gaussian points (bench_lazy_kernel.py --gemm's lengthscales) had 0.5% of rows with two and 0.009% with
-    three: in 60 and 3 of 64 blocks of 512 rows.
+    row with more falls back to ``exact()``, recomputed in reverse mode (under ``vmap``, both run).
     """
     rows, cols = _rows_and_columns(first, second)
     x, y = rows.point[:, 0], cols.point[0]  # [b, D] and [n, D]
@@ -1118,9 +1208,9 @@ def _pairwise(terms):
 
 def _dense(a):
     """A block value as one array [B, N, *S]."""
-    if isinstance(a, _Looped):
+    if isinstance(a, _ByFeature):
         return a.dense()
-    if not isinstance(a, _Split):
+    if not isinstance(a, _WrittenOut):
         return a
     lead = jnp.broadcast_shapes(*(part.shape for part in a.parts.flat))
     parts = [jnp.broadcast_to(part, lead) for part in a.parts.flat]
@@ -1162,11 +1252,11 @@ class _Scaled:
     form's, which XLA fuses pair by pair.
     """
 
-    def __init__(self, point, steps=()):
-        self.point, self.steps = point, steps
+    def __init__(self, point, plan, steps=()):
+        self.point, self.plan, self.steps = point, plan, steps
 
     def then(self, eqn, other, position):
-        return _Scaled(self.point, (*self.steps, (eqn, other, position)))
+        return _Scaled(self.point, self.plan, (*self.steps, (eqn, other, position)))
 
     def scaling(self, value, cast=None):
         """The steps, applied to a block value as the kernel's program applies them; ``cast`` converts the values
@@ -1174,7 +1264,7 @@ class _Scaled:
         for eqn, other, position in self.steps:
             if other is not None and cast is not None:
                 other = cast(other)
-            (value,) = _elementwise(eqn, [value] if other is None else [other, value][:: 2 * position - 1])
+            (value,) = _elementwise(eqn, [value] if other is None else [other, value][:: 2 * position - 1], self.plan)
         return value
 
 
@@ -1182,9 +1272,9 @@ def _evaluated(a):
     return a.scaling(a.point) if isinstance(a, _Scaled) else a
 
 
-def _scaled_inputs(first, second):
+def _scaled_inputs(first, second, plan):
     """The kernel's two arguments, as _Scaled where they are real floating points."""
-    return [_Scaled(p) if jnp.issubdtype(p.dtype, jnp.floating) else p for p in (first, second)]
+    return [_Scaled(p, plan) if jnp.issubdtype(p.dtype, jnp.floating) else p for p in (first, second)]
 
 
 def _scaling_rule(eqn, args):
@@ -1203,10 +1293,10 @@ def _scaling_rule(eqn, args):
     if name == "sub" and len(lazy) == 2:
         a, b = args
         if a.point is not b.point and _same_steps(a.steps, b.steps):
-            (difference,) = _elementwise(eqn, [a.point, b.point])
+            (difference,) = _elementwise(eqn, [a.point, b.point], a.plan)
             scaled = a.scaling(difference)
-            if isinstance(scaled, _Looped):
-                scaled = _Looped(scaled.size, scaled.feature, scaled.dense, (a, b))
+            if isinstance(scaled, _ByFeature):
+                scaled = _ByFeature(scaled.size, scaled.feature, scaled.dense, (a, b))
             return [scaled]
     return None
 
@@ -1219,7 +1309,7 @@ def _scaling_step(eqn, args, position):
         return None, 0
     if name in ("mul", "div") and (name == "mul" or position == 0):
         other = args[1 - position]
-        if not isinstance(other, (_Split, _Looped, _Scaled)) and other.shape[:2] == (1, 1):  # of neither point
+        if not isinstance(other, (_WrittenOut, _ByFeature, _Scaled)) and other.shape[:2] == (1, 1):  # of neither point
             return other, position
     return None
 
@@ -1232,7 +1322,7 @@ def _same_steps(s, t):
     )
 
 
-def _vmap_or_no_cross_covariance(kernel, xa, xb):
+def _vmap_or_no_cross_covariance(kernel, dim, dtype):
     """Whether ``kernel`` has no ``cross_covariance``, or one that is exactly the vmap form.
 
     Decided on the programs, not their printed text: the same equations with
@@ -1240,7 +1330,7 @@ def _vmap_or_no_cross_covariance(kernel, xa, xb):
     """
     if not hasattr(kernel, "cross_covariance"):
         return True
-    a, b = _probe_blocks(xa.shape[1], jnp.result_type(xa, xb))
+    a, b = _probe_blocks(dim, dtype)
     own = jax.make_jaxpr(kernel.cross_covariance)(a, b)
     return _same_program(own, jax.make_jaxpr(functools.partial(_vmap_block, kernel))(a, b))
 
@@ -1300,57 +1390,31 @@ def _same_value(c, d):
 
 
 def block_evaluation(kernel: PairKernel, dim: int, dtype=jnp.float32) -> str:
-    """How ``kernel_block`` computes blocks of ``kernel`` on ``dim`` features here (traced, not run).
-
-    ``"pair program"``, followed by the equations it vmaps on values of both
-    points if any; else ``"cross_covariance"`` or ``"vmap"``.
+    """How ``kernel_block`` computes blocks of ``kernel`` on ``dim`` features here, in a word: the block of
+    ``block_plan`` as ``"pair program"`` (followed by the equations it vmaps on values of both points, if any),
+    ``"cross_covariance"`` or ``"vmap"``.
     """
-    a, b = _probe_blocks(dim, dtype)
-    vmapped, form = set(), _pair_program_form(dim)
-    if form is not None:  # "forward" runs the same block
-        block = functools.partial(_pair_program_block, kernel, vmapped=vmapped, by_gemm_only=form == "by GEMM")
-        if jax.eval_shape(block, a, b) is not None:
-            return "pair program" + (f" (by vmap: {', '.join(sorted(vmapped))})" if vmapped else "")
-    return "cross_covariance" if hasattr(kernel, "cross_covariance") else "vmap"
+    plan = block_plan(kernel, dim, dtype)
+    if plan.block not in _PAIR_PROGRAMS:
+        return "cross_covariance" if plan.block is Block.CROSS_COVARIANCE else "vmap"
+    vmapped = sorted(_probe_run(kernel, dim, dtype, plan).vmapped)
+    return "pair program" + (f" (by vmap: {', '.join(vmapped)})" if vmapped else "")
 
 
 # --------------------------------------------------------------------------
-# 5. Layer: the block size from XLA's measured peak
+# 6. Layer: the block size from XLA's measured peak
 # --------------------------------------------------------------------------
 #
-# One block of K is not the peak. XLA keeps whatever temporaries the kernel's
-# computation needs (a checkpointed gradient holds several blocks), and
-# arrays the size of the data (inputs, operand, result, their cotangents)
-# that no block size changes. So the block comes from a
-# measurement of the program that runs: the product compiled on abstract
-# inputs, and XLA's ``temp_size_in_bytes`` read. With checkpoint=True a
-# gradient is a program of its own, and which one (with respect to which
-# inputs) is known only when JAX differentiates the product: the product is a
-# ``jax.custom_jvp`` whose rule sees it in its symbolic zeros, measures that
-# one gradient, and runs at its block (``_measured_product``).
-#
-# The block is the fastest one (cache-sized on CPU; on other backends
-# ACCELERATOR_BLOCK_BYTES, or ACCELERATOR_WIDE_BLOCK_BYTES where written out)
-# if its peak is within the limit, ``max_memory_mb`` plus twice the data; else
-# the peak is measured at a small block too, fitted as ``fixed + per_row *
-# rows``, and the block shrunk, measuring again, until it fits (see _fit). A block
-# too large for XLA to compile on the device (RESOURCE_EXHAUSTED) is over any limit.
-# Peaks are cached by everything that decides them: the program (_peak_key)
-# and, for a gradient, what it is taken with respect to.
-
-CPU_BLOCK_BYTES = 4 * 2**20  # the fastest block size measured on a CPU (bench_lazy_kernel.py --blocks)
-CPU_MIN_BLOCK = 64  # blocks of 16 rows or columns were slower (bench_lazy_kernel.py --blocks)
-ACCELERATOR_BLOCK_BYTES = 64 * 2**20  # TPU v5e, N = 32768: 512-row blocks took RBF's K @ v 0.48x the time of
-# 8192-row ones at D = 3, 0.86x at D = 16, 0.97x at D = 256, its gradient 0.58x at D = 3 (bench --accelerator-blocks);
-# the vmap form's 2048-row blocks took 1.05x the time of 512-row ones at D = 64
-ACCELERATOR_WIDE_BLOCK_BYTES = 256 * 2**20  # blocks the pair program writes out (block_evaluation), and half
-# that for their gradient by the GEMM: TPU v5e, against 64 MiB blocks, RBF's K @ v took 0.92x the time at D = 3, 8
-# and 16 (N = 32768), 0.90x-0.92x at 48 and 64 (RBF, GPJax RBF, Matern52, Laplace), 0.90x at 256 (N = 65536; at
-# 32768 1.03x); the gradient at 256 0.94x (N = 32768); at D = 3 (the vmap form's derivatives) 2x the rows took 1.45x
-# Probes compile at XLA:CPU's lowest code-generation optimisation, with its
-# older fusion emitters where this XLA has both: the same buffers (the tests
-# compare measurements with the programs users compile), sooner.
-_PROBE_OPTIONS = {"cpu": {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}}
+# One block of K is not the peak: XLA keeps the temporaries the kernel's
+# computation needs (a checkpointed gradient holds several blocks), beside
+# arrays the size of the data. So the block comes from XLA's
+# ``temp_size_in_bytes`` for the program that runs, compiled on abstract
+# inputs. A gradient is a program of its own, known only when JAX
+# differentiates the product: the product is a ``jax.custom_jvp`` whose rule
+# sees which tangents are symbolic zeros, measures that gradient, and runs at
+# its block (``_measured_product``). The block is the plan's fastest if its
+# peak fits ``max_memory_mb`` plus twice the data; else it shrinks (_fit).
+# Peaks are cached by the program and its plan (_peak_key).
 
 
 class Measurement(NamedTuple):
@@ -1479,26 +1543,15 @@ def _measured_block(op, width, dtype, given=None, cached_only=False, differentia
 
 
 def _fastest_rows(op, gradient):
-    """The block before the budget is measured: ``batch_size_row``, at most a cache-sized block on CPU; elsewhere
-    ACCELERATOR_WIDE_BLOCK_BYTES where the pair program writes the block out (half that for its gradient by the
-    GEMM), else ACCELERATOR_BLOCK_BYTES.
+    """The block before the budget is measured: ``batch_size_row``, at most the plan's fastest block.
 
     A gradient's is at most half the rows: XLA compiles a loop of one iteration as straight-line code, scheduled
     with the loss around it, which the measured program lacks; such a gradient's peak reached 1.33x the
     measured one.
     """
-    row_bytes = op.dtype.itemsize * max(op.shape[1], 1)
-    if jax.default_backend() == "cpu":
-        rows = max(CPU_MIN_BLOCK, CPU_BLOCK_BYTES // row_bytes)
-    else:
-        dim, points = op.x1.shape[1], jnp.result_type(op.x1.dtype, op.x2.dtype)
-        derivatives = gradient and _pair_program_form(dim) == "forward"  # the vmap form's: whatever the values are
-        if derivatives or not block_evaluation(op.kernel, dim, points).startswith("pair program"):
-            rows = ACCELERATOR_BLOCK_BYTES // row_bytes
-        else:
-            rows = (ACCELERATOR_WIDE_BLOCK_BYTES // 2 if gradient else ACCELERATOR_WIDE_BLOCK_BYTES) // row_bytes
-        rows = max(1, rows)
-    rows = min(rows, op.batch_size_row)
+    plan = op._plan()
+    fastest = plan.gradient_block_bytes if gradient else plan.block_bytes
+    rows = min(max(plan.min_block_rows, fastest // (op.dtype.itemsize * max(op.shape[1], 1))), op.batch_size_row)
     return max(1, min(rows, -(-op.shape[0] // 2) if gradient else op.shape[0]))
 
 
@@ -1578,30 +1631,12 @@ def _compiled_peak(op, width, dtype, rows, differentiated):
             program = functools.partial(_value_and_pullback, run, moved)
             specs.append(jax.ShapeDtypeStruct((op.shape[0], width), dtype))  # the cotangent
     try:
-        compiled = jax.jit(program).lower(*specs).compile(_probe_options(jax.default_backend()))
+        compiled = jax.jit(program).lower(*specs).compile(dict(op._plan().probe_options))
     except Exception as error:  # JaxRuntimeError, XlaRuntimeError in older JAX
         if "RESOURCE_EXHAUSTED" not in str(error):
             raise
         return math.inf  # XLA found no room for its temporaries on this device: over any budget
     return compiled.memory_analysis().temp_size_in_bytes
-
-
-@functools.cache
-def _probe_options(platform):
-    """The _PROBE_OPTIONS for ``platform`` that this XLA knows (one older than jaxlib 0.5.3 has no
-    ``xla_cpu_use_fusion_emitters``)."""
-    options = _PROBE_OPTIONS.get(platform, {})
-    return {name: value for name, value in options.items() if _known_to_xla(platform, name, value)}
-
-
-def _known_to_xla(platform, name, value):
-    """Whether XLA compiles for ``platform`` with the option ``name`` set to ``value``."""
-    try:
-        with jax.default_device(jax.local_devices(backend=platform)[0]):
-            jax.jit(lambda x: x).lower(0.0).compile({name: value})
-    except Exception:  # XlaRuntimeError, by another name in each JAX: "No such compile option"
-        return False
-    return True
 
 
 def _value_and_pullback(run, moved, *args):
@@ -1623,7 +1658,7 @@ def _spec(a):
 
 
 def _peak_key(op, width, dtype):
-    """What decides the peak: the settings, shapes and dtypes, and the kernel's program.
+    """What decides the peak: the settings, shapes and dtypes, the kernel's program and its plan.
 
     A kernel whose pytree leaves are all arrays is known by its structure (no
     trace). Any other (a closure, say, made anew in every trace) by its block's
@@ -1638,20 +1673,11 @@ def _peak_key(op, width, dtype):
     if kernel is None:
         kernel = str(_kernel_program(op))
     shapes = (_spec(op.x1), _spec(op.x2), width, jnp.dtype(dtype))
-    switches = (
-        PAIR_PROGRAM,
-        SPLIT_FEATURES_MAX,
-        ACCELERATOR_FEATURES,
-        SUM_CHUNK,
-        WIDE_GEMM_FEATURES_MIN,
-        GEMM_FEATURES_MIN,
-    )
-    switches += (CONTRACTION_CHUNK, jax.config.jax_default_matmul_precision)  # they decide the contraction's program
-    return (kernel, shapes, op.transposed, op.checkpoint, jax.default_backend(), switches)
+    return (kernel, shapes, op.transposed, op.checkpoint, op._plan(), SUM_CHUNK)
 
 
 # --------------------------------------------------------------------------
-# 6. python lazy_kernel.py: check this machine against a dense NumPy oracle
+# 7. python lazy_kernel.py: check this machine against a dense NumPy oracle
 # --------------------------------------------------------------------------
 
 
@@ -1783,7 +1809,8 @@ def main(argv=None) -> int:
     if args.dtype == "float64":
         jax.config.update("jax_enable_x64", True)
     devices = jax.devices() if args.devices == "all" else jax.devices()[:1]
-    n = args.n or (16384 if jax.default_backend() == "cpu" else 65536 if args.dtype == "float32" else 4096)
+    on_cpu = block_plan(RBF(), args.dim, args.dtype).backend == "cpu"
+    n = args.n or (16384 if on_cpu else 65536 if args.dtype == "float32" else 4096)
     n -= n % len(devices)  # equal shards
     eps = float(np.finfo(args.dtype).eps)
     lengthscale, variance = (float(np.asarray(a, args.dtype)) for a in (np.sqrt(args.dim), 1.3))  # as JAX has them
@@ -1794,7 +1821,7 @@ def main(argv=None) -> int:
     wide = np.asarray(rng.uniform(-0.25, 1, size=(n, args.width)), args.dtype)
     kernel = RBF(jnp.asarray(lengthscale, args.dtype), jnp.asarray(variance, args.dtype))
     batch_size = args.batch_size
-    if batch_size is None and args.dtype == "float64" and jax.default_backend() != "cpu":
+    if batch_size is None and args.dtype == "float64" and not on_cpu:
         batch_size = 512  # emulated float64 compiles slowly (a TPU v5e: over 70 s for the blocks' measurements)
     settings = dict(max_memory_mb=args.max_memory_mb, batch_size=batch_size)
     right, left, grad_x1 = _products(kernel, settings, args.checkpoint, devices)

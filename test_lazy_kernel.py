@@ -117,10 +117,12 @@ def points(rng, n, dim, dtype):
 
 @pytest.fixture(params=["layers on", "core alone"])
 def layers(request, monkeypatch):
-    """Run a test with both optional layers on (the default), and with the core alone."""
+    """Run a test with both optional layers on (the default), and with the core alone: the layers' entries fail."""
     if request.param == "core alone":
         monkeypatch.setattr(lazy_kernel, "PAIR_PROGRAM", False)
         monkeypatch.setattr(lazy_kernel, "MEASURED_BLOCKS", False)
+        for entry in ("_pair_program_takes", "_pair_program_block", "_measured_product", "_measured_block"):
+            monkeypatch.setattr(lazy_kernel, entry, functools.partial(pytest.fail, f"the core called {entry}"))
     return request.param
 
 
@@ -289,7 +291,7 @@ def test_core_alone_uses_the_seeds_blocks(monkeypatch):
 
 @pytest.mark.parametrize("backend", ["cpu", "tpu", "gpu"])
 def test_fastest_block_is_cache_sized_on_cpu_and_accelerator_sized_elsewhere(monkeypatch, backend):
-    monkeypatch.setattr(lazy_kernel.jax, "default_backend", lambda: backend)
+    monkeypatch.setattr(lazy_kernel, "BACKEND", backend)
     columns = 32768
     zeros = lambda rows, dim: jnp.zeros((rows, dim), jnp.float32)  # noqa: E731
     fastest = lambda kernel, dim, gradient: lazy_kernel._fastest_rows(  # noqa: E731
@@ -428,7 +430,8 @@ def test_accelerators_contraction_matches_dense(monkeypatch):
     and their gradients, against the dense matrix."""
     if not hasattr(jax.lax, "optimization_barrier"):
         pytest.skip("JAX before 0.4.31 keeps one product")
-    monkeypatch.setattr(lazy_kernel, "_contraction_chunk", lambda n, width: None if width == 1 or n <= 16 else 16)
+    monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
+    monkeypatch.setattr(lazy_kernel, "CONTRACTION_CHUNK", 16)
     rng = np.random.default_rng(17)
     x1, x2, right, left = (
         points(rng, 37, 3, jnp.float64),
@@ -1216,7 +1219,7 @@ def test_accelerators_pair_program_matches_the_vmap_form(name, monkeypatch):
     written out (no loop), values as the vmap form; the gradient in the points as the vmap form's (the derivative
     an accelerator's blocks take: this checks the wiring), and, of blocks of K and of K.T alike, as central
     differences of the values (this checks the numbers, which the vmap form shares)."""
-    monkeypatch.setattr(lazy_kernel.jax, "default_backend", lambda: "tpu")
+    monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
     make, dim, dtype, params = ZOO[name]
     kernel = make(params)
     x1, x2 = zoo_points(dim, dtype, seed=len(name))
@@ -1347,7 +1350,7 @@ def test_zoo_hessians_match_the_vmap_form(name):
 def test_which_path_blocks_take(backend, monkeypatch):
     """On CPU the pair program takes every D; on an accelerator, D in ACCELERATOR_FEATURES, and from
     GEMM_FEATURES_MIN kernels whose squared distances of float32 points it takes by the GEMM."""
-    monkeypatch.setattr(lazy_kernel.jax, "default_backend", lambda: backend)
+    monkeypatch.setattr(lazy_kernel, "BACKEND", backend)
     on_cpu, few, pair = backend == "cpu", max(lazy_kernel.ACCELERATOR_FEATURES), "pair program"
     assert lazy_kernel.block_evaluation(RBF(), few) == lazy_kernel.block_evaluation(skewed, few) == pair
     assert lazy_kernel.block_evaluation(RBF(), few + 1) == (pair if on_cpu else "vmap")
@@ -1397,7 +1400,7 @@ def test_squared_distances_take_the_gemm_from_gemm_features_min(dim, backend, mo
     accuracy test_as_accurate_as_the_vmap_form checks at D = 256) from GEMM_FEATURES_MIN features on, on CPU and
     on an accelerator (faked here)."""
     if backend != "here":
-        monkeypatch.setattr(lazy_kernel.jax, "default_backend", lambda: backend)
+        monkeypatch.setattr(lazy_kernel, "BACKEND", backend)
     original, calls = lazy_kernel._squared_distance, []
     monkeypatch.setattr(lazy_kernel, "_squared_distance", lambda *args: calls.append(args) or original(*args))
     ls = jnp.linspace(0.5, 1.5, dim, dtype=jnp.float32)
@@ -1499,8 +1502,8 @@ def test_gemm_repairs_two_pairs_per_row(backend, monkeypatch):
     near point in a row sends the block to the exact sum. On CPU float64 points (float32 ones take the float64
     GEMM first); on an accelerator (faked) float32."""
     dtype = jnp.float64 if backend == "cpu" else jnp.float32
-    monkeypatch.setattr(lazy_kernel.jax, "default_backend", lambda: backend)
-    monkeypatch.setattr(lazy_kernel, "_feature_sum", lambda size, feature, dense: jnp.full_like(feature(0), jnp.nan))
+    monkeypatch.setattr(lazy_kernel, "BACKEND", backend)
+    monkeypatch.setattr(lazy_kernel, "_feature_sum", lambda size, feature, *_: jnp.full_like(feature(0), jnp.nan))
     dim = lazy_kernel.GEMM_FEATURES_MIN
     rng = np.random.default_rng(11)
     ls = np.linspace(0.5, 1.5, dim)
@@ -1935,7 +1938,7 @@ def test_accelerators_blocks_as_accurate_as_the_vmap_form(name, dim, x64, monkey
     (no other test checks blocks written out at D = 21 to 64 against an oracle on CPU), and at GEMM_FEATURES_MIN,
     squared distances by the GEMM where the rule vouches, repaired pairs and blocks sent to the exact sum. Not
     through that test: its skip of D = 64 is for the CPU's own forms."""
-    monkeypatch.setattr(lazy_kernel.jax, "default_backend", lambda: "tpu")
+    monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
     with jax.default_device(jax.devices("cpu")[0]):
         assert_as_accurate_on_accuracy_data(name, dim, jnp.float32, x64)
 
@@ -1985,10 +1988,10 @@ def _off_by_bf16_sized_errors(what, monkeypatch):
     block = lazy_kernel._block
 
     def wrong_block(*args):
-        values, stored_transposed = block(*args)
+        values = block(*args)
         if what == "K off by 5e-4":
-            return values * (1 + 5e-4), stored_transposed
-        return jax.lax.reduce_precision(values, 8, 7), stored_transposed  # bf16's bits, as a bf16 product takes K
+            return values * (1 + 5e-4)
+        return jax.lax.reduce_precision(values, 8, 7)  # bf16's bits, as a bf16 product takes K
 
     monkeypatch.setattr(lazy_kernel, "_block", wrong_block)
 
