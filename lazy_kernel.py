@@ -186,13 +186,11 @@ def _check_kernel(kernel, dim, dtype):
 # 2. The plan: every backend decision, in one place
 # --------------------------------------------------------------------------
 #
-# On a CPU, XLA runs the vmap form's sum over a short feature axis slowly, so
-# the pair program (layer 5) runs every kernel it takes, its sums over more
-# than a few features in a loop. On an accelerator the vector unit's lanes hold
-# those features, mostly empty at small D: there the program writes features
-# out at small D (values only: its derivatives compiled slowly and ran slower),
-# and from GEMM_FEATURES_MIN runs where a squared distance is the GEMM.
-# bench_lazy_kernel.py measures each constant below (its docstring says where).
+# On a CPU, XLA runs the vmap form's sum over a short feature axis slowly, so the pair program (layer 5) runs
+# every kernel it takes, summing over more than a few features in a loop. On an accelerator the vector unit's
+# lanes hold those features, mostly empty at small D: there the program writes features out at small D (values
+# only: its derivatives compiled slowly and ran slower), and from GEMM_FEATURES_MIN runs where d^2 is the GEMM.
+# bench_lazy_kernel.py measured each constant below (its docstring says how).
 
 
 class Block(enum.Enum):
@@ -263,12 +261,8 @@ def block_plan(kernel: PairKernel, dim: int, dtype=jnp.float32) -> Plan:
     float32 = dtype == jnp.float32
     gemm = dim >= GEMM_FEATURES_MIN and (float32 or (on_cpu and dtype == jnp.float64))  # no fast float64 elsewhere
     wide = on_cpu and float32 and dim >= WIDE_GEMM_FEATURES_MIN and _float64_in_traces()
-    if on_cpu:
-        block = Block.PAIR_PROGRAM
-    elif dim in ACCELERATOR_FEATURES:
-        block = Block.PAIR_PROGRAM_VALUES
-    else:
-        block = Block.PAIR_PROGRAM if gemm else Block.VMAP  # where a squared distance is the GEMM, below
+    block = Block.PAIR_PROGRAM_VALUES if dim in ACCELERATOR_FEATURES else Block.PAIR_PROGRAM if gemm else Block.VMAP
+    block = Block.PAIR_PROGRAM if on_cpu else block  # off the CPU from GEMM_FEATURES_MIN: where d^2 is the GEMM
     chunked = not on_cpu and hasattr(jax.lax, "optimization_barrier")  # JAX 0.4.31 on
     plan = Plan(
         backend=backend,
@@ -355,8 +349,7 @@ def _blockwise_matmul(rows_times, points, rhs_width, dtype, block, checkpoint, i
 
 def _contract(block, rhs, plan):
     """``block`` [b, n] times ``rhs`` [n, width] at the plan's precision; in chunks of columns where it says."""
-    chunk = plan.contraction_chunk
-    if chunk and rhs.shape[0] > chunk and rhs.shape[1] > 1:  # a matrix-vector product is float32 already
+    if (chunk := plan.contraction_chunk) and rhs.shape[0] > chunk and rhs.shape[1] > 1:  # K @ v is float32
         return _chunked_contract(block, rhs, chunk, plan.contraction_precision)
     return jax.lax.dot_general(block, rhs, (((1,), (0,)), ((), ())), plan.contraction_precision)
 
@@ -385,13 +378,9 @@ def _is_array(leaf):
 
 
 def _zeros_varying_like(shape, dtype, tree):
-    """Zeros that, inside ``jax.shard_map``, vary over the mesh axes of every array in ``tree``.
-
-    A ``fori_loop`` carry must have the type its body returns, and inside
-    ``shard_map`` that type includes the mesh axes a value varies over. The
-    blocks vary like the inputs; plain zeros vary over none. ``lax.full_like``
-    keeps the axes of its template, and a sum varies over all of its terms'.
-    """
+    """Zeros that, inside ``jax.shard_map``, vary over the mesh axes of every array in ``tree``, as the loop's
+    blocks do (a ``fori_loop`` carry has its body's type): ``lax.full_like`` keeps its template's axes, and a sum
+    varies over all of its terms'."""
     zero = jnp.zeros((), dtype)
     for leaf in filter(_is_array, jax.tree_util.tree_leaves(tree)):
         zero = zero + jax.lax.full_like(leaf, 0, dtype, shape=())
@@ -435,25 +424,16 @@ class LazyKernel:
             isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1
         ):
             raise ValueError(f"batch_size must be a positive integer or None; got {batch_size!r}")
-        if (
-            isinstance(max_memory_mb, bool)
-            or not isinstance(max_memory_mb, numbers.Real)
-            or not math.isfinite(max_memory_mb)
-            or max_memory_mb < 0
-        ):
+        real = isinstance(max_memory_mb, numbers.Real) and not isinstance(max_memory_mb, bool)
+        if not real or not math.isfinite(max_memory_mb) or max_memory_mb < 0:
             raise ValueError(f"max_memory_mb must be a finite number >= 0; got {max_memory_mb!r}")
         if not isinstance(checkpoint, bool):
             raise TypeError(f"checkpoint must be True or False; got {checkpoint!r}")
-        self.kernel = kernel
-        self.x1 = x1
-        self.x2 = x2
-        self.max_memory_mb = max_memory_mb
-        self.batch_size = batch_size
-        self.checkpoint = checkpoint
+        self.kernel, self.x1, self.x2 = kernel, x1, x2
+        self.max_memory_mb, self.batch_size, self.checkpoint = max_memory_mb, batch_size, checkpoint
         self.dtype = _check_kernel(kernel, x1.shape[1], jnp.result_type(x1.dtype, x2.dtype))
         self.transposed = False  # True: K[i, j] = kernel(x2[j], x1[i]), as in the transpose of an operator
-        # Which kernel leaves are arrays (pytree children) is fixed here, not at each
-        # flatten: JAX flattens pytrees whose leaves are placeholders, not arrays.
+        # Which kernel leaves are arrays is fixed here: JAX also flattens pytrees of placeholders.
         self._array_leaves = tuple(map(_is_array, jax.tree_util.tree_leaves(kernel)))
 
     # -- CAGPJax's batch-size arithmetic ---------------------------------------
@@ -526,9 +506,8 @@ class LazyKernel:
 
     def _product(self, rhs, dtype, block):
         """``K @ rhs``, rhs [N, width], by the engine at ``block`` rows per block."""
-        plan = self._plan()
         op, rhs = (self, rhs) if self.checkpoint else _warn_if_differentiated((self, rhs))
-        kernel, cols, transposed = op.kernel, jnp.asarray(op.x2), op.transposed
+        kernel, cols, transposed, plan = op.kernel, jnp.asarray(op.x2), op.transposed, self._plan()
 
         def rows_times(rows):
             return _contract(_block(kernel, rows, cols, transposed, plan).astype(dtype), rhs, plan)
@@ -643,12 +622,11 @@ def _warn_on_derivative(primals, tangents):
 # 5. Layer: the pair program, fast blocks with the vmap form's numbers
 # --------------------------------------------------------------------------
 #
-# ``_vmap_block`` turns a pair kernel into a [b, n, D] computation, and XLA on
-# CPU runs its sum over the short feature axis D several times slower than the
-# exponential after it, and its gradient tens of times. ``_pair_program_block``
-# runs the kernel's jaxpr (its program on one pair of points) once for the
-# whole block instead, equation by equation (``_run``, the loop of JAX's
-# "Writing custom interpreters", each equation's rule chosen by ``_RULES``),
+# ``_vmap_block`` is a [b, n, D] computation whose short feature sum XLA on CPU
+# runs several times slower than the exponential after it, its gradient tens of
+# times. ``_pair_program_block`` runs the kernel's jaxpr (its program on one
+# pair of points) once on the whole block, equation by equation (``_run``, the
+# loop of JAX's "Writing custom interpreters"; ``_RULES`` chooses each rule),
 # holding each value of shape S (say [D] or []) as
 #
 # - an array [B, N, *S], B in {1, b} and N in {1, n}: a value of x alone is
@@ -656,22 +634,17 @@ def _warn_on_derivative(primals, tangents):
 #   depends on one point is computed once per point, not once per pair;
 # - ``_WrittenOut``: a value of both points with at most the plan's
 #   ``written_out`` features, as one [b, n] array each;
-# - ``_ByFeature``: one with more, along one axis, as a function from a
-#   feature index to its [b, n] array. A sum over its features is the plan's
-#   ``feature_sum``: a ``fori_loop`` adding one [b, n] array at a time, its
-#   body recomputed in reverse mode rather than stored, or at once on its
-#   [b, n, D] values. No [b, n, D] array is made unless a sum at once, or an
-#   equation other than a sum, needs one.
+# - ``_ByFeature``: one with more, as a function from a feature index to its
+#   [b, n] array, summed as the plan's ``feature_sum`` says: in a ``fori_loop``
+#   whose body reverse mode recomputes, or at once on [b, n, D] values.
 #
-# Every rule applies the vmap form's primitives to the same values, with four
-# exceptions: sums (``reduce_sum``, a dot of two vectors) may add their terms
-# in another order; two points scaled alike are subtracted before they are
-# scaled (``_Scaled``); the square of a value of both points is ``a ** 2``
-# (the same values and derivatives, but reverse mode through ``a * a`` adds
-# ``ct * a`` twice); and |s (x - y)|^2, recognised by ``_squaring``, is
-# computed as the plan's ``squared_distances`` say (``_sum_of_squares``). An
-# equation no rule takes is vmapped on its own (``_by_vmap``), and a kernel
-# the program does not take at all gets the vmap form.
+# Every rule applies the vmap form's primitives to the same values, except:
+# sums may add their terms in another order; two points scaled alike are
+# subtracted before they are scaled (``_Scaled``); a square of a value of both
+# points is ``a ** 2`` (reverse mode through ``a * a`` adds ``ct * a`` twice);
+# and |s (x - y)|^2 (``_squaring``) is computed as the plan's
+# ``squared_distances`` say (``_sum_of_squares``). An equation no rule takes is
+# vmapped on its own (``_by_vmap``).
 
 SUM_CHUNK = 4  # features summed pairwise per step of the loop (_looped_sum)
 
@@ -689,17 +662,14 @@ def _pair_program_takes(kernel, dim, dtype, plan, by_gemm_only):
     point = jax.ShapeDtypeStruct((dim,), dtype)
     if _pair_program(kernel, point, point) is None:
         return False
-    if not by_gemm_only:
-        return True
-    return _probe_run(kernel, dim, dtype, dataclasses.replace(plan, squared_distances=())).squared_distance
+    direct = dataclasses.replace(plan, squared_distances=())  # enough to see whether the program has a d^2
+    return not by_gemm_only or _probe_run(kernel, dim, dtype, direct).squared_distance
 
 
 def _probe_run(kernel, dim, dtype, plan):
     """The pair program's run on small abstract blocks (traced, not run)."""
-    runs = []
-    jax.eval_shape(
-        lambda xa, xb: runs.append(_pair_program_run(kernel, xa, xb, False, plan)), *_probe_blocks(dim, dtype)
-    )
+    runs, (xa, xb) = [], _probe_blocks(dim, dtype)
+    jax.eval_shape(lambda xa, xb: runs.append(_pair_program_run(kernel, xa, xb, False, plan)), xa, xb)
     return runs[0]
 
 
@@ -770,8 +740,7 @@ class _Run:
     probe gives them."""
 
     def __init__(self, program, inputs, plan, given=None):
-        self.program, self.inputs, self.plan, self.given = program, inputs, plan, given or {}
-        self.vmapped = set()
+        self.program, self.inputs, self.plan, self.given, self.vmapped = program, inputs, plan, given or {}, set()
         self.squared_distance = False  # whether the program sums |s (x - y)|^2 (_sum_of_squares)
 
     def value(self):
@@ -786,7 +755,8 @@ class _Run:
         given = lambda out: {**self.given, id(eqn): [out.reshape(1, 1)]}  # noqa: E731
         program = jax.make_jaxpr(lambda out: _Run(self.program, self.inputs, self.plan, given(out)).value())
         program = program(jnp.zeros((), eqn.outvars[0].aval.dtype))
-        return _in_float64(program) if program.out_avals[0].shape == (1, 1) else None
+        out = program.out_avals[0]  # a kernel of d^2 alone, and one with derivatives (argmax's has none)
+        return _in_float64(program) if out.shape == (1, 1) and jnp.issubdtype(out.dtype, jnp.floating) else None
 
 
 _CALLS = ("pjit", "jit", "closed_call")  # run inline, so that their equations meet the rules
@@ -1018,9 +988,9 @@ def _rows_and_columns(first, second):
     return (first, second) if row_first else (second, first)
 
 
-def _wide_squared_distance(first, second, exact, tail):
+def _wide_squared_distance(first, second, fallback, tail):
     """|steps(x - y)|^2 of float32 points for every pair of a block, by the GEMM ``|a|^2 + |b|^2 - 2 a.b`` in
-    float64 on the points converted, then centred and scaled, rounded to float32; ``exact()`` (the loop) where
+    float64 on the points converted, then centred and scaled, rounded to float32; ``fallback()`` (the direct sum) where
     the kernel, ``tail(d^2)``, cannot take that GEMM's error (under ``vmap``, both run).
 
     The float64 d^2 errs by at most delta = (D + 3) eps64 (max|a| + max|b|)^2 (the largest norms of the block's
@@ -1053,7 +1023,7 @@ def _wide_squared_distance(first, second, exact, tail):
         zero = squared <= 2 * delta.astype(jnp.float32)
         return jnp.where(zero, squared - jax.lax.stop_gradient(squared), squared)
 
-    return jax.lax.cond(vouched, by_gemm, jax.checkpoint(exact))
+    return jax.lax.cond(vouched, by_gemm, jax.checkpoint(fallback))
 
 
 def _takes_error(tail, delta, eps):
@@ -1120,14 +1090,15 @@ def _float64():
     return contextlib.nullcontext() if jax.config.jax_enable_x64 else jax.enable_x64(True)
 
 
-def _squared_distance(first, second, exact):
+def _squared_distance(first, second, fallback):
     """|steps(x - y)|^2 for every pair of a block, by the GEMM ``|a|^2 + |b|^2 - 2 a.b`` on centred, scaled
-    points wherever its error bound is within 4x the direct sum's; ``exact()`` (the direct sum) otherwise.
+    points wherever its error bound is within 4x the direct sum's; ``fallback()`` otherwise (the float64 GEMM, or
+    the direct sum).
 
     The GEMM's d^2 has an error bound of about eps (|a|^2 + |b|^2 + 2 |a| |b|) <= 2 eps (|a|^2 + |b|^2), the
     direct sum's eps d^2: so the GEMM vouches for a pair where d^2 >= (|a|^2 + |b|^2) / 2. Two pairs in a row
     that it cannot vouch for (a duplicate point and a near one, say) are recomputed directly; a block with a
-    row with more falls back to ``exact()``, recomputed in reverse mode (under ``vmap``, both run).
+    row with more falls back, recomputed in reverse mode (under ``vmap``, both run).
     """
     rows, cols = _rows_and_columns(first, second)
     x, y = rows.point[:, 0], cols.point[0]  # [b, D] and [n, D]
@@ -1147,7 +1118,7 @@ def _squared_distance(first, second, exact):
             result = jnp.where(column == partner[:, None], jnp.sum(direct * direct, 2), result)
         return result
 
-    return jax.lax.cond(jnp.any(jnp.sum(unvouched, 1) > 2), jax.checkpoint(exact), repaired)
+    return jax.lax.cond(jnp.any(jnp.sum(unvouched, 1) > 2), jax.checkpoint(fallback), repaired)
 
 
 def _looped_sum(size, feature):
@@ -1681,20 +1652,15 @@ def _peak_key(op, width, dtype):
 # --------------------------------------------------------------------------
 
 
-# The data keep K well scaled at every D: points N(5, 1) in D features and lengthscale sqrt(D) put
-# |x - y|^2 / lengthscale^2 near 2, so that no K underflows and few are near the variance. The operands are
-# mostly positive (uniform on [-0.25, 1)), so that a relative error of K shows almost whole in a product; with
-# signs at random, |K| |v| is about sqrt(N) |K v| and hides it.
-#
-# Each result is compared with NumPy float64 on ``--check`` rows (columns for ``w @ K``), its error taken
-# relative to its scale (the same sum of absolute values: |K| |v|). It passes within the operator's contract:
-# 16 eps plus 4x the error of the vmap form, the kernel called on each pair on this machine and its products
-# summed elementwise (no matrix unit). The vmap form must itself be within what float arithmetic allows: each K
+# Points N(5, 1) and lengthscale sqrt(D) keep |x - y|^2 / lengthscale^2 near 2 at every D: no K underflows. The
+# operands are mostly positive (uniform on [-0.25, 1)), so that a relative error of K shows almost whole in a
+# product. Each result is compared with NumPy float64 on ``--check`` rows (columns for ``w @ K``), relative to its
+# scale (|K| |v|), and passes within the contract: 16 eps plus 4x the error of the vmap form (the kernel on each
+# pair on this machine, summed elementwise). The vmap form must be within what float arithmetic allows: each K
 # within ((D + 8) z / 2 + EXP_ULPS) eps of the truth, z = |x - y|^2 / lengthscale^2 (the feature sum's D - 1
 # roundings and 9 for the difference, scaling and squares, carried through exp; and exp's own error).
 
-EXP_ULPS = {"float32": 256, "float64": 2048}  # exp's error allowed: a TPU v5e's float32 exp erred by up to 116
-# ulp, its emulated float64 exp by more than 256 (2.09x this check's allowance with 256)
+EXP_ULPS = {"float32": 256, "float64": 2048}  # exp's error allowed: a TPU v5e's errs up to 116 ulp, past 256 in float64
 SANITY_CONTRACT_EPS = 16  # the operator's contract: 16 eps of the scale plus 4x the vmap form's error
 
 
@@ -1772,12 +1738,8 @@ def _products(kernel, settings, checkpoint, devices):
         right = shard_map(right, mesh=mesh, in_specs=(split, whole, whole), out_specs=split)
         left = shard_map(left, mesh=mesh, in_specs=(whole, split, whole), out_specs=split)
         local_loss = loss
-        loss = shard_map(
-            lambda *a: jax.lax.psum(local_loss(*a), "devices"),
-            mesh=mesh,
-            in_specs=(split, whole, whole, split),
-            out_specs=whole,
-        )
+        summed = lambda *a: jax.lax.psum(local_loss(*a), "devices")  # noqa: E731
+        loss = shard_map(summed, mesh=mesh, in_specs=(split, whole, whole, split), out_specs=whole)
     return jax.jit(right), jax.jit(left), jax.jit(jax.grad(loss))
 
 
@@ -1797,12 +1759,8 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--batch-size", type=int, help="fixed rows/columns per block; measured, except 512 in float64 off the CPU"
     )
-    parser.add_argument(
-        "--checkpoint",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="checkpoint the blocks in the gradient check",
-    )
+    checkpoint = argparse.BooleanOptionalAction
+    parser.add_argument("--checkpoint", action=checkpoint, default=True, help="checkpoint the gradient's blocks")
     parser.add_argument("--devices", choices=["1", "all"], default="1", help="'all': shard over every device")
     parser.add_argument("--check", type=int, default=64, help="rows and columns compared with NumPy")
     args = parser.parse_args(argv)
@@ -1832,13 +1790,10 @@ def main(argv=None) -> int:
     device = devices[0]
     print(f"platform: {device.platform}, {len(devices)} x {device.device_kind}; jax {jax.__version__}")
     print(f"K: {n} x {n}, D = {args.dim}, {args.dtype}, RBF(lengthscale sqrt(D), variance 1.3), points N(5, 1)")
-    print(
-        f"budget {args.max_memory_mb:g} MB: batch_size_row {op_right.batch_size_row}, "
-        f"batch_size_col {op_left.batch_size_col}" + (" (per device)" if len(devices) > 1 else "")
-    )
-    print(
-        f"blocks used: {op_right.block_rows} rows of {local} in K @ v, {op_left.block_cols} columns of {local} in w @ K"
-    )
+    sizes = f"batch_size_row {op_right.batch_size_row}, batch_size_col {op_left.batch_size_col}"
+    print(f"budget {args.max_memory_mb:g} MB: {sizes}" + (" (per device)" if len(devices) > 1 else ""))
+    used = f"{op_right.block_rows} rows of {local} in K @ v, {op_left.block_cols} columns of {local} in w @ K"
+    print(f"blocks used: {used}")
 
     rows = np.sort(rng.choice(n, size=min(args.check, n), replace=False))
     on_device = dict(zip(("x1", "x2", "v", "w", "wide"), map(jnp.asarray, (x1, x2, v, w, wide)), strict=True))

@@ -289,6 +289,36 @@ def test_core_alone_uses_the_seeds_blocks(monkeypatch):
     assert (op.block_rows, op.block_cols) == (op.batch_size_row, op.batch_size_col) == (43, 26)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "tpu"])
+def test_one_plan_decides_each_block(backend, monkeypatch):
+    """``block_plan`` is the only reader of the backend: with JAX's own made to fail, products, gradients, their
+    measured blocks and the report follow BACKEND's plan, a frozen value, and match the dense matrix."""
+
+    def no_backend():
+        raise AssertionError("jax.default_backend() read outside block_plan")
+
+    monkeypatch.setattr(lazy_kernel, "BACKEND", backend)
+    monkeypatch.setattr(lazy_kernel.jax, "default_backend", no_backend)
+    rng = np.random.default_rng(50)
+    x1, x2, v = points(rng, 300, 3, jnp.float32), points(rng, 200, 3, jnp.float32), jnp.ones(200)
+    plan = lazy_kernel.block_plan(RBF(0.7), 3, jnp.float32)
+    assert plan == lazy_kernel.block_plan(RBF(0.9), 3) and plan.backend == backend and hash(plan)
+    with pytest.raises(AttributeError):  # dataclasses.FrozenInstanceError
+        plan.block = lazy_kernel.Block.VMAP
+    block = {"cpu": lazy_kernel.Block.PAIR_PROGRAM, "tpu": lazy_kernel.Block.PAIR_PROGRAM_VALUES}[backend]
+    assert plan.block is block and lazy_kernel.block_evaluation(RBF(0.7), 3) == "pair program"
+
+    def loss(ls, x1):
+        return jnp.sum(jnp.sin(LazyKernel(RBF(ls), x1, x2, max_memory_mb=0.1, checkpoint=True) @ v))
+
+    dense_loss = lambda ls, x1: jnp.sum(jnp.sin(rbf_dense_jnp(x1, x2, ls, 1.0) @ v))  # noqa: E731
+    for got, want in zip(jax.grad(loss, (0, 1))(0.7, x1), jax.grad(dense_loss, (0, 1))(0.7, x1), strict=True):
+        assert_close(got, want, jnp.float32)
+    op = LazyKernel(RBF(0.7), x1, x2, max_memory_mb=0.1, checkpoint=True)
+    assert_close(v @ op.T, rbf_dense_jnp(x1, x2, 0.7, 1.0) @ v, jnp.float32)
+    assert op.measure(wrt=("x1",)).rows <= op.block_rows and "block_rows=" in repr(op)
+
+
 @pytest.mark.parametrize("backend", ["cpu", "tpu", "gpu"])
 def test_fastest_block_is_cache_sized_on_cpu_and_accelerator_sized_elsewhere(monkeypatch, backend):
     monkeypatch.setattr(lazy_kernel, "BACKEND", backend)
@@ -1624,6 +1654,7 @@ GENERATED_PROGRAMS = {}  # a program's text -> its jitted checks: hypothesis dra
     seed=st.integers(0, 9),
 )
 @example(kernel_program([("square", 2)]), lazy_kernel.GEMM_FEATURES_MIN, jnp.float64, 0)  # |x - y|^2 by the GEMM
+@example(kernel_program([("dot", 2, 2), ("argmax", 3)]), 8, jnp.float32, 0)  # no derivative: no float64 GEMM
 def test_generated_kernels_run_as_the_vmap_form(program, dim, dtype, seed):
     """A kernel the vmap form runs runs lazily with its numbers; one it rejects is rejected with its error."""
     text, kernel = program
