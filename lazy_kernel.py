@@ -660,7 +660,7 @@ def _pair_program_takes(kernel, dim, dtype, plan, by_gemm_only):
     """Whether the pair program makes blocks of ``kernel`` as ``plan`` says: a kernel without effects whose
     ``cross_covariance``, if any, is the vmap form; ``by_gemm_only``, one with a squared distance (the GEMM's)."""
     point = jax.ShapeDtypeStruct((dim,), dtype)
-    if _pair_program(kernel, point, point) is None:
+    if not _vmap_or_no_cross_covariance(kernel, dim, dtype) or _pair_program(kernel, point, point).jaxpr.effects:
         return False
     direct = dataclasses.replace(plan, squared_distances=())  # enough to see whether the program has a d^2
     return not by_gemm_only or _probe_run(kernel, dim, dtype, direct).squared_distance
@@ -725,13 +725,9 @@ class _ByFeature:
 
 
 def _pair_program(kernel, x, y):
-    """The kernel's program on one pair of points ``x`` and ``y``; None where the pair program does
-    not apply: to kernels with effects (``jax.debug.print``, say), or to a kernel whose own ``cross_covariance``
-    is more than the vmap form."""
-    if not _vmap_or_no_cross_covariance(kernel, x.shape[0], jnp.result_type(x.dtype, y.dtype)):
-        return None
-    program = jax.make_jaxpr(lambda x, y: kernel(x, y))(x, y)  # __name__ may not be a str
-    return None if program.jaxpr.effects else program
+    """The kernel's program on one pair of points ``x`` and ``y``. The pair program takes no kernel with effects
+    (``jax.debug.print``, say), nor one whose own ``cross_covariance`` is more than the vmap form."""
+    return jax.make_jaxpr(lambda x, y: kernel(x, y))(x, y)  # __name__ may not be a str
 
 
 class _Run:
