@@ -261,8 +261,12 @@ def block_plan(kernel: PairKernel, dim: int, dtype=jnp.float32) -> Plan:
     float32 = dtype == jnp.float32
     gemm = dim >= GEMM_FEATURES_MIN and (float32 or (on_cpu and dtype == jnp.float64))  # no fast float64 elsewhere
     wide = on_cpu and float32 and dim >= WIDE_GEMM_FEATURES_MIN and _float64_in_traces()
-    block = Block.PAIR_PROGRAM_VALUES if dim in ACCELERATOR_FEATURES else Block.PAIR_PROGRAM if gemm else Block.VMAP
-    block = Block.PAIR_PROGRAM if on_cpu else block  # off the CPU from GEMM_FEATURES_MIN: where d^2 is the GEMM
+    if on_cpu:
+        block = Block.PAIR_PROGRAM
+    elif dim in ACCELERATOR_FEATURES:
+        block = Block.PAIR_PROGRAM_VALUES
+    else:
+        block = Block.PAIR_PROGRAM if gemm else Block.VMAP  # only where d^2 is the GEMM: by_gemm_only below
     chunked = not on_cpu and hasattr(jax.lax, "optimization_barrier")  # JAX 0.4.31 on
     plan = Plan(
         backend=backend,
