@@ -71,6 +71,7 @@ __all__ = [
 _JAX_VERSION = tuple(int(part) for part in jax.__version__.split(".")[:2])
 PAIR_PROGRAM = True  # layer 5; False: every block is the vmap form (or the kernel's cross_covariance)
 MEASURED_BLOCKS = True  # layer 6; False: blocks of batch_size_row rows, the seed's arithmetic
+FUSED_PRODUCT = True  # layer 7; False: no block's product is fused on a TPU
 BACKEND = None  # the backend blocks are planned for; None: JAX's default (the tests plan for "tpu" on a CPU)
 
 
@@ -217,6 +218,7 @@ class Distance(enum.Enum):
 
     GEMM = "|a|^2 + |b|^2 - 2 a.b, where its error bound is within 4x the direct sum's"
     FLOAT64_GEMM = "float32 points by the GEMM in float64, where the kernel takes its error"
+    FUSED = "exact on a TPU's matrix unit, in one Pallas kernel with the kernel's tail and the product (layer 7)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,12 +236,14 @@ class Plan:
     gradient_block_bytes: int  # the fastest block of its gradient (layer 6)
     min_block_rows: int  # blocks smaller than this are slower
     probe_options: tuple[tuple[str, object], ...]  # XLA's options for a block's measurement (layer 6)
+    interpret: bool = False  # Pallas kernels interpreted: planned for BACKEND, not this one (the tests)
 
 
 SPLIT_FEATURES_MAX = 2  # on CPU, from 3 features the loop was faster than values written out
 ACCELERATOR_FEATURES = range(2, 65)  # off the CPU, features written out beat the vmap form's lanes here
 GEMM_FEATURES_MIN = 128  # below it, too many pairs a GEMM cannot vouch for: the fallback costs more
 WIDE_GEMM_FEATURES_MIN = 8  # on CPU, the float64 GEMM beats the loop from here
+FUSED_FEATURES_MIN = 16  # on a TPU, the fused product (layer 7) from here: at D = 3 today's form took 0.24x its time
 CONTRACTION_CHUNK = 2048  # a TPU's matrix unit sums this many float32 terms within 2 eps (see _chunked_contract)
 CPU_BLOCK_BYTES = 4 * 2**20  # cache-sized blocks were the fastest on CPU
 CPU_MIN_BLOCK = 64  # blocks of 16 rows or columns were slower
@@ -280,7 +284,11 @@ def block_plan(kernel: PairKernel, dim: int, dtype=jnp.float32) -> Plan:
         gradient_block_bytes=CPU_BLOCK_BYTES if on_cpu else ACCELERATOR_BLOCK_BYTES,
         min_block_rows=CPU_MIN_BLOCK if on_cpu else 1,
         probe_options=tuple(_probe_options(backend).items()),
+        interpret=BACKEND is not None,
     )
+    fusable = FUSED_PRODUCT and PAIR_PROGRAM and backend == "tpu" and float32 and dim >= FUSED_FEATURES_MIN
+    if fusable and _fused_takes(kernel, dim, plan):  # layer 7
+        plan = dataclasses.replace(plan, squared_distances=(Distance.FUSED, *plan.squared_distances))
     by_gemm_only = not on_cpu and plan.block is Block.PAIR_PROGRAM
     if plan.block in _PAIR_PROGRAMS and _pair_program_takes(kernel, dim, dtype, plan, by_gemm_only):
         if on_cpu:
@@ -516,6 +524,8 @@ class LazyKernel:
         def rows_times(rows):
             return _contract(_block(kernel, rows, cols, transposed, plan).astype(dtype), rhs, plan)
 
+        if Distance.FUSED in plan.squared_distances:  # layer 7, where it takes the product
+            rows_times = _fused_rows_times(kernel, jnp.asarray(op.x1), cols, rhs, transposed, plan, rows_times)
         return _blockwise_matmul(rows_times, jnp.asarray(op.x1), rhs.shape[1], dtype, block, op.checkpoint, (op, rhs))
 
     def _plan(self):
@@ -742,6 +752,7 @@ class _Run:
     def __init__(self, program, inputs, plan, given=None):
         self.program, self.inputs, self.plan, self.given, self.vmapped = program, inputs, plan, given or {}, set()
         self.squared_distance = False  # whether the program sums |s (x - y)|^2 (_sum_of_squares)
+        self.fusable = None  # with Distance.FUSED planned: (the two _Scaled points, the equation of that sum)
 
     def value(self):
         """The block, [B, N] with B in {1, b} and N in {1, n}."""
@@ -750,13 +761,13 @@ class _Run:
 
     def tail(self, eqn):
         """The kernel's value as a function of the output of ``eqn`` alone (a scalar), the program run again with
-        that output given, in float64 (see _in_float64); None where the value depends on the points otherwise
-        too, or where its program does not run in float64."""
+        that output given: a ClosedJaxpr from a scalar to [1, 1]; None where the value depends on the points
+        otherwise too, or is not a float (argmax's has no derivatives)."""
         given = lambda out: {**self.given, id(eqn): [out.reshape(1, 1)]}  # noqa: E731
         program = jax.make_jaxpr(lambda out: _Run(self.program, self.inputs, self.plan, given(out)).value())
         program = program(jnp.zeros((), eqn.outvars[0].aval.dtype))
-        out = program.out_avals[0]  # a kernel of d^2 alone, and one with derivatives (argmax's has none)
-        return _in_float64(program) if out.shape == (1, 1) and jnp.issubdtype(out.dtype, jnp.floating) else None
+        out = program.out_avals[0]
+        return program if out.shape == (1, 1) and jnp.issubdtype(out.dtype, jnp.floating) else None
 
 
 _CALLS = ("pjit", "jit", "closed_call")  # run inline, so that their equations meet the rules
@@ -975,8 +986,11 @@ def _sum_of_squares(eqn, run, size, square_of, feature, dense):
     for form in reversed(run.plan.squared_distances):
         if form is Distance.GEMM:
             fallback = functools.partial(_squared_distance, *square_of, fallback)
+        elif form is Distance.FUSED:  # the product's form (layer 7), which needs the points and the tail
+            run.fusable = square_of, eqn
         elif not run.given:  # Distance.FLOAT64_GEMM; not while its own tail is probed
             tail = run.tail(eqn)
+            tail = None if tail is None else _in_float64(tail)
             if tail is not None:
                 fallback = functools.partial(_wide_squared_distance, *square_of, fallback, tail)
     return fallback()
@@ -1648,7 +1662,454 @@ def _peak_key(op, width, dtype):
 
 
 # --------------------------------------------------------------------------
-# 7. python lazy_kernel.py: check this machine against a dense NumPy oracle
+# 7. Layer: exact squared distances on a TPU's matrix unit, fused with the product
+# --------------------------------------------------------------------------
+#
+# Where a kernel is a function of d^2 = |s (x - y)|^2 with one scalar step s (a lengthscale), a TPU's matrix
+# unit computes |x - y|^2 exactly for points on a grid. Each coordinate becomes r 2^(e - 30), r an integer of
+# DIGITS signed 8-bit digits a_0 .. a_3 (top first) and 2^e >= every |coordinate|: the grid moves a coordinate by
+# at most 2^(e - 31), 1/128 of the largest coordinate's ulp, and none within a factor 128 of it. Digits are exact
+# in bf16 and in int8, their products exact on the matrix unit, their sums exact below 2^24 (bf16 into float32)
+# or 2^31 (int8 into int32). For each level l = i + j of digit pairs,
+#
+#     T_l = sum_{i+j=l} (a_i - b_i) . (a_j - b_j) = |a|^2_l + |b|^2_l - 2 sum_{i+j=l} a_i . b_j
+#
+# is exact: one product per level, the level's digit pairs packed side by side (bf16 folds the norms in as six
+# more columns where that costs no extra pass of the 128-deep unit; more than 250 digit columns go in chunks
+# whose exact sums are added). Carries then bring T_1 .. T_6 into [0, 256), so |x - y|^2 on the grid is a sum of
+# non-negative terms: nothing is left to cancel. One Pallas kernel per block keeps each tile of FUSED_TILE pairs
+# in VMEM: the levels, d^2 (times s^2), the kernel's tail (its program as a function of d^2) and the tile's
+# product with the operand, added into the block's result.
+#
+# The rule (_vouched), per product: the grid moves a difference by at most rho = sqrt(D) |s| 2^(e - 30), so d^2
+# by 2 d rho + rho^2, and the levels' sum and s^2 round d^2 by (G + 2 n + 2) u (u = eps / 2, G = 7 levels, n
+# steps in s), where the direct sum's bound is (D + n + 1) u d^2. K moves by |tail'| times that, and lambda
+# bounds |tail' / tail| (taken in float64 at d^2 from 0 to 64). The fused form runs where, for every d, its bound
+# is within the contract (16 eps of K plus 4x the direct sum's): lambda rho^2 (1 + 1 / kappa) <= 16 eps, with
+# kappa = (4 (D + n + 1) - (G + 2 n + 2)) u. Elsewhere (points past about 500 lengthscales from the origin, say)
+# today's form runs. Derivatives are today's form's: the fused form gives values only (a custom_jvp).
+
+DIGITS = 4  # signed 8-bit digits per coordinate
+FUSED_TILE = (256, 1024)  # rows and columns of K per step of the Pallas kernel (rows: a multiple of 32)
+FUSED_WIDTH_MAX = 64  # operand columns the fused product takes; a wider operand gets today's form
+FUSED_INT8_FEATURES_MIN = 128  # int8 digits from here: half bf16's matrix-unit time, more vector work
+FUSED_VMEM_BYTES = 100 * 2**20  # the kernel's VMEM (of a v5e core's 128 MiB); Mosaic's default 16 MiB is too small
+_BF16_FOLDED = 250  # digit columns per exact bf16 product with the 6 norm columns folded in: 2^16 each, < 2^24
+_BF16_PLAIN = 256  # digit columns per exact bf16 product without them
+_NORM_COLUMNS = 6
+_SENSITIVITY_AT = (0.0, 2.0**-40, 2.0**-20, 2.0**-10, 2.0**-4, 0.25, 1.0, 4.0, 16.0, 64.0)  # d^2 where lambda is taken
+_TILE_RESHAPES = frozenset({"reshape", "broadcast_in_dim", "squeeze", "expand_dims"})  # of one value: the tile itself
+
+
+class _Chunk(NamedTuple):
+    """One exact matrix-unit product: digit columns ``a_i[:, d0:d1] . b_j[:, d0:d1]`` of one level, packed."""
+
+    level: int
+    pairs: tuple  # ((i, j, d0, d1), ...)
+    width: int  # digit columns
+    fold: bool  # the norms folded in as columns
+    offset: int  # its first column in the packed operands (a multiple of 128)
+    padded: int  # its columns there, a multiple of 128
+    plain: int  # its index among the unfolded chunks' norms, or -1
+
+
+def _levels():
+    """For each level l, the digit pairs (i, j) with i + j = l."""
+    return [[(i, level - i) for i in range(DIGITS) if 0 <= level - i < DIGITS] for level in range(2 * DIGITS - 1)]
+
+
+def _fused_chunks(dim):
+    """The exact products of a block on ``dim`` features: the variant ("bf16" or "int8") and its chunks."""
+    variant = "int8" if dim >= FUSED_INT8_FEATURES_MIN else "bf16"
+    passes = lambda columns: -(-columns // 128)  # noqa: E731
+    pieces = []
+    for level, pairs in enumerate(_levels()):
+        columns = [(i, j, d) for i, j in pairs for d in range(dim)]
+        if variant == "int8":  # exact below 2^31: one product per level up to D = 8191
+            sizes, fold = [len(columns)], False
+        else:
+            folded = [_BF16_FOLDED] * (len(columns) // _BF16_FOLDED) + [len(columns) % _BF16_FOLDED] * bool(
+                len(columns) % _BF16_FOLDED
+            )
+            plain = [_BF16_PLAIN] * (len(columns) // _BF16_PLAIN) + [len(columns) % _BF16_PLAIN] * bool(
+                len(columns) % _BF16_PLAIN
+            )
+            fold = sum(passes(c + _NORM_COLUMNS) for c in folded) <= sum(passes(c) for c in plain)
+            sizes = folded if fold else plain
+        start = 0
+        for size in sizes:
+            runs = []
+            for i, j, d in columns[start : start + size]:
+                if runs and runs[-1][:2] == (i, j) and runs[-1][3] == d:
+                    runs[-1] = (i, j, runs[-1][2], d + 1)
+                else:
+                    runs.append((i, j, d, d + 1))
+            pieces.append((level, tuple(runs), size, fold))
+            start += size
+    chunks, offset, plain = [], 0, 0
+    for level, runs, width, fold in pieces:
+        padded = 128 * passes(width + _NORM_COLUMNS * fold)
+        chunks.append(_Chunk(level, runs, width, fold, offset, padded, -1 if fold else plain))
+        offset, plain = offset + padded, plain + (not fold)
+    return variant, tuple(chunks)
+
+
+def _digits(points, exponent):
+    """Float32 points [n, D] on the grid 2^(exponent - 30): [DIGITS, n, D] int32 digits in [-128, 127], top first.
+    ``ldexp`` scales exactly, and |r| <= 2^30 while every |coordinate| <= 2^exponent."""
+    r = jnp.round(jnp.ldexp(points, 30 - exponent)).astype(jnp.int32)
+    digits = []
+    for _ in range(DIGITS):
+        low = ((r + 128) & 255) - 128  # r = 256 q + low
+        digits.append(low)
+        r = (r - low) >> 8
+    return jnp.stack(digits[::-1])
+
+
+def _packed(digits, chunks, variant, left):
+    """One side's operand of the products: rows [n, W] (left) or columns [W, n] (right), bf16 or int8; and the
+    exact norms of the chunks without folded ones, [n, U] (float32; int32 for int8, one per level)."""
+    n = digits.shape[1]
+    blocks, norms = [], []
+    for chunk in chunks:
+        part = jnp.concatenate([digits[i if left else j, :, d0:d1] for i, j, d0, d1 in chunk.pairs], 1)
+        norm = sum(jnp.sum(digits[i, :, d0:d1] * digits[j, :, d0:d1], 1) for i, j, d0, d1 in chunk.pairs)
+        part = part.astype(jnp.float32) * (1.0 if left or variant == "int8" else -2.0)
+        if chunk.fold:  # the norm as 3 base-256 digits, times 2^16, 2^8 and 1 on the other side
+            low = ((norm + 128) & 255) - 128
+            middle = ((((norm - low) >> 8) + 128) & 255) - 128
+            high = (norm - low - 256 * middle) >> 16
+            mine = jnp.stack([high, middle, low], 1).astype(jnp.float32)
+            powers = jnp.broadcast_to(jnp.asarray([65536.0, 256.0, 1.0], jnp.float32), (n, 3))
+            part = jnp.concatenate([part, mine, powers] if left else [part, powers, mine], 1)
+        else:
+            norms.append(norm)
+        blocks.append(jnp.pad(part, ((0, 0), (0, chunk.padded - part.shape[1]))))
+    packed = jnp.concatenate(blocks, 1).astype(jnp.bfloat16 if variant == "bf16" else jnp.int8)
+    norms = jnp.stack(norms, 1) if norms else jnp.zeros((n, 1), jnp.int32)
+    return packed if left else packed.T, norms if variant == "int8" else norms.astype(jnp.float32)
+
+
+def _tile_squared_distances(rows, row_norms, cols, col_norms, scales, chunks, variant):
+    """d^2 for a tile of pairs, exactly on the grid, then times each level's weight (``scales[l]``, holding s^2
+    and the grid step): the kernel's arithmetic, on arrays or on Pallas refs alike. rows [tm, W] and cols [W, tn]
+    are packed digits (_packed); the norms are the unfolded chunks'."""
+    levels = 2 * DIGITS - 1
+    exact_below = 2**31 if variant == "int8" else 2**24
+    accumulate = jnp.int32 if variant == "int8" else jnp.float32
+    t, bound = [None] * levels, [0] * levels  # the levels' sums so far, and bounds on their magnitude
+
+    def carry(level):  # t[level] into [0, 256), its quotient into the level above
+        if level > 1 and t[level - 1] is not None and bound[level - 1] + bound[level] // 256 + 1 > exact_below:
+            carry(level - 1)
+        if variant == "int8":
+            quotient, t[level] = t[level] >> 8, t[level] & 255
+        else:
+            quotient = jnp.floor(t[level] * (1.0 / 256.0))
+            t[level] = t[level] - 256.0 * quotient
+        t[level - 1] = quotient if t[level - 1] is None else t[level - 1] + quotient
+        bound[level - 1] += bound[level] // 256 + 1
+        bound[level] = 256
+
+    for level in reversed(range(levels)):  # the lowest first: its carries reach the sums above
+        for chunk in (c for c in chunks if c.level == level):
+            a, b = (
+                rows[:, chunk.offset : chunk.offset + chunk.padded],
+                cols[chunk.offset : chunk.offset + chunk.padded, :],
+            )
+            part = jax.lax.dot(a, b, preferred_element_type=accumulate)
+            if not chunk.fold:  # bf16's columns hold -2 b already
+                norms = row_norms[:, chunk.plain : chunk.plain + 1] + col_norms[chunk.plain : chunk.plain + 1, :]
+                part = norms - (part + part) if variant == "int8" else norms + part
+            if t[level] is None:
+                t[level], bound[level] = part, chunk.width * 2**16
+                continue
+            if level > 0 and bound[level] + chunk.width * 2**16 > exact_below:
+                carry(level)
+            t[level], bound[level] = t[level] + part, bound[level] + chunk.width * 2**16
+        if level + 1 < levels:
+            carry(level + 1)
+    d2 = t[levels - 1].astype(jnp.float32) * scales[levels - 1]
+    for level in reversed(range(levels - 1)):  # non-negative terms, the smallest first
+        d2 = d2 + t[level].astype(jnp.float32) * scales[level]
+    return d2
+
+
+def _tail_on_tile(tail, consts, *inputs):
+    """The kernel's tail (a Jaxpr from d^2 to a [1, 1] value, _tile_ready) on a tile of d^2, its constants
+    scalars: each equation on the whole tile."""
+    env = dict(zip(tail.constvars, consts, strict=True))
+    env.update(zip(tail.invars, inputs, strict=True))
+    read = lambda var: var.val if isinstance(var, jax.extend.core.Literal) else env[var]  # noqa: E731
+    for eqn in tail.eqns:
+        args = [jnp.asarray(read(var), var.aval.dtype) for var in eqn.invars]
+        if eqn.primitive.name in _TILE_RESHAPES:
+            outs = args[:1]
+        elif eqn.primitive.name in _CALLS:
+            outs = [_tail_on_tile(_called(eqn).jaxpr, _called(eqn).consts, *args)]
+        else:
+            shape = jnp.broadcast_shapes(*(a.shape for a in args))
+            outs = _bind(eqn, [jnp.broadcast_to(a, shape) for a in args])
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return read(tail.outvars[0])
+
+
+def _hoisted(tail):
+    """A ClosedJaxpr of d^2 as (a Jaxpr of d^2 alone and its constants): the equations of constants alone
+    evaluated here, not on every pair, and those the output does not use dropped."""
+    known = dict(zip(tail.jaxpr.constvars, tail.consts, strict=True))
+    value = lambda var: var.val if isinstance(var, jax.extend.core.Literal) else known[var]  # noqa: E731
+    kept = []
+    for eqn in tail.jaxpr.eqns:
+        if all(isinstance(var, jax.extend.core.Literal) or var in known for var in eqn.invars) and not eqn.effects:
+            known.update(zip(eqn.outvars, _bind(eqn, [value(var) for var in eqn.invars]), strict=True))
+        else:
+            kept.append(eqn)
+    live = {var for var in tail.jaxpr.outvars if not isinstance(var, jax.extend.core.Literal)}
+    for eqn in reversed(kept):
+        if any(var in live for var in eqn.outvars):
+            live.update(var for var in eqn.invars if not isinstance(var, jax.extend.core.Literal))
+    kept = [eqn for eqn in kept if any(var in live for var in eqn.outvars)]
+    constvars = [var for var in known if var in live]
+    jaxpr = tail.jaxpr.replace(constvars=constvars, eqns=kept)
+    return jaxpr, [known[var] for var in constvars]
+
+
+def _tile_ready(tail):
+    """Whether _tail_on_tile runs ``tail``: one input and output; equations elementwise, reshapes of a value of
+    one element, or calls of such; no effects."""
+
+    def ready(jaxpr):
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            if eqn.effects or len(eqn.outvars) != 1:
+                return False
+            if name in _CALLS and not ready(_called(eqn).jaxpr):
+                return False
+            if name in _TILE_RESHAPES and math.prod(eqn.outvars[0].aval.shape) != 1:
+                return False
+            if name not in _ELEMENTWISE | _TILE_RESHAPES | set(_CALLS):
+                return False
+        return True
+
+    return len(tail.invars) == 1 and len(tail.outvars) == 1 and ready(tail)
+
+
+def _fused_kernel(tail, chunks, variant, width, *refs):
+    """One tile of a block's product: d^2, K by the tail, and K times the operand's tile, added into the
+    output's tile (its rows' sums over the columns, on the grid's second axis)."""
+    numbers, rows, row_norms, cols, col_norms, *operand, out = refs
+    levels = 2 * DIGITS - 1
+    d2 = _tile_squared_distances(rows, row_norms, cols, col_norms, numbers, chunks, variant)
+    k = _tail_on_tile(tail, [numbers[levels + i] for i in range(len(tail.constvars))], d2).astype(jnp.float32)
+
+    pl = _pallas()[0]
+
+    @pl.when(pl.program_id(1) == 0)
+    def _():
+        out[...] = jnp.zeros_like(out)
+
+    if width == 1:  # K @ v on the vector unit, into 128 lanes; the lanes are added outside
+        products = k * operand[0][...]
+        total = products[:, :128]
+        for lane in range(128, products.shape[1], 128):
+            total = total + products[:, lane : lane + 128]
+        out[...] += total
+    else:  # HIGHEST's six bf16 products, as three: K in three exact bf16 pieces times the operand's
+        dot = functools.partial(jax.lax.dot, preferred_element_type=jnp.float32)
+        out[...] += sum(
+            dot(piece.astype(jnp.bfloat16), x[...]) for piece, x in zip(_bf16_pieces(k), operand, strict=True)
+        )
+
+
+def _bf16_pieces(x):
+    """Float32 ``x`` as three bf16-exact float32 pieces that add up to it exactly (by bit masks, which no
+    compiler allowed excess precision can fold away, as it can a round trip through bf16)."""
+    top = lambda v: jax.lax.bitcast_convert_type(  # noqa: E731
+        jax.lax.bitcast_convert_type(v, jnp.uint32) & jnp.uint32(0xFFFF0000), jnp.float32
+    )
+    first = top(x)
+    second = top(x - first)
+    return first, second, x - first - second
+
+
+@functools.cache
+def _pallas():
+    """``(pallas, pallas.tpu)``, or None where this JAX lacks them (JAX 0.4.30 has no ``CompilerParams``)."""
+    try:
+        from jax.experimental import pallas
+        from jax.experimental.pallas import tpu
+    except ImportError:
+        return None
+    return (pallas, tpu) if hasattr(tpu, "CompilerParams") and hasattr(tpu, "SMEM") else None
+
+
+def _fused_product(rows, cols, operand, numbers, tail, plan):
+    """One block's product by the Pallas kernel: rows [b, D] float32 points, ``cols`` their packed columns and
+    norms, ``operand`` its pieces (_fused_operand), ``numbers`` the levels' weights and the tail's constants."""
+    pl, pltpu = _pallas()
+    (cols, col_norms), (variant, chunks) = cols, _fused_chunks(rows.shape[1])
+    exponent = numbers[1]
+    b, n, width = rows.shape[0], cols.shape[1], operand[0].shape[0] if len(operand) == 1 else operand[0].shape[1] // 3
+    tile_rows = min(FUSED_TILE[0], -(-b // 32) * 32)
+    tile_cols = min(FUSED_TILE[1], n)
+    padded = -(-b // tile_rows) * tile_rows
+    rows = jnp.concatenate([rows, jnp.broadcast_to(rows[:1], (padded - b, rows.shape[1]))]) if padded > b else rows
+    rows, row_norms = _packed(_digits(rows, exponent.astype(jnp.int32)), chunks, variant, left=True)
+    out_width = 128 if width == 1 else 3 * width
+    by_row = lambda shape: pl.BlockSpec(shape, lambda i, j: (i, 0))  # noqa: E731
+    by_col = lambda shape: pl.BlockSpec(shape, lambda i, j: (0, j))  # noqa: E731
+    operand_specs = (
+        [by_col((1, tile_cols))] if width == 1 else [pl.BlockSpec((tile_cols, 3 * width), lambda i, j: (j, 0))] * 3
+    )
+    out = pl.pallas_call(
+        functools.partial(_fused_kernel, tail, chunks, variant, width),
+        grid=(padded // tile_rows, n // tile_cols),
+        in_specs=[
+            pl.BlockSpec(memory_space=pltpu.SMEM),
+            by_row((tile_rows, rows.shape[1])),
+            by_row((tile_rows, row_norms.shape[1])),
+            by_col((cols.shape[0], tile_cols)),
+            by_col((col_norms.shape[0], tile_cols)),
+            *operand_specs,
+        ],
+        out_specs=by_row((tile_rows, out_width)),
+        out_shape=jax.ShapeDtypeStruct((padded, out_width), jnp.float32),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=FUSED_VMEM_BYTES
+        ),
+        interpret=plan.interpret,
+    )(numbers[2:], rows, row_norms, cols, col_norms, *operand)[:b]
+    if width == 1:
+        return jnp.sum(out, 1, keepdims=True)
+    return out[:, :width] + out[:, width : 2 * width] + out[:, 2 * width :]
+
+
+def _fused_operand(rhs, columns):
+    """The operand [N, k] as the kernel reads it, its rows padded with zeros to ``columns``: for k = 1, a row
+    [1, columns]; else three bf16 blocks [X1 | X2 | X3], [X1 | X2 | 0], [X1 | 0 | 0] of its exact pieces."""
+    rhs = jnp.pad(rhs.astype(jnp.float32), ((0, columns - rhs.shape[0]), (0, 0)))
+    if rhs.shape[1] == 1:
+        return (rhs.T,)
+    first, second, third = _bf16_pieces(rhs)
+    zero = jnp.zeros_like(first)
+    blocks = ([first, second, third], [first, second, zero], [first, zero, zero])
+    return tuple(jnp.concatenate(block, 1).astype(jnp.bfloat16) for block in blocks)
+
+
+def _fusion(kernel, xa, xb, transposed, plan):
+    """From the kernel's program on a block: its scalar step s (d^2 = |s (x - y)|^2, traced), the number of steps,
+    and its tail as a Jaxpr of d^2 with the constants it uses; None where the fused form cannot run it."""
+    probe = dataclasses.replace(plan, written_out=0, squared_distances=(Distance.FUSED,))  # every d^2 seen
+    run = _pair_program_run(kernel, xa, xb, transposed, probe)
+    if run.fusable is None:
+        return None
+    (point, _), eqn = run.fusable
+    tail = run.tail(eqn)
+    if tail is None or any(other is not None and jnp.size(other) != 1 for _, other, _ in point.steps):
+        return None
+    step = _dense(point.scaling(jnp.ones((1, 1, 1), point.point.dtype))).reshape(())
+    jaxpr, consts = _hoisted(tail)
+    if not _tile_ready(jaxpr) or any(jnp.size(c) != 1 or jnp.result_type(c) != jnp.float32 for c in consts):
+        return None
+    return step, len(point.steps), tail, jaxpr, [jnp.reshape(c, ()) for c in consts]
+
+
+def _fused_takes(kernel, dim, plan):
+    """Whether the fused form takes ``kernel``'s float32 blocks (``block_plan`` asks): the pair program takes it,
+    with a d^2 of one scalar step and a tail the Pallas kernel runs; and this JAX has Pallas and float64 traces."""
+    if _pallas() is None or not _float64_in_traces():
+        return False
+    if not _pair_program_takes(kernel, dim, jnp.float32, plan, False):
+        return False
+    found = []
+    jax.eval_shape(lambda xa, xb: found.append(_fusion(kernel, xa, xb, False, plan)), *_probe_blocks(dim, jnp.float32))
+    return found[0] is not None
+
+
+def _sensitivity(tail):
+    """lambda: the largest |tail'(d^2) / tail(d^2)| at _SENSITIVITY_AT, in float64 (inf where it is not finite)."""
+    widened = _in_float64(tail)
+    if widened is None:
+        return jnp.float32(jnp.inf)
+    with _float64():
+        at = jnp.asarray(_SENSITIVITY_AT, jnp.float64)
+        value, slope = jax.vmap(lambda z: jax.jvp(widened, (z,), (jnp.ones_like(z),)))(at)
+        ratio = jnp.where(value == 0, 0.0, jnp.abs(slope) / jnp.abs(value))
+        worst = jnp.max(jnp.where(jnp.isnan(ratio), jnp.inf, ratio))
+        return jax.lax.convert_element_type(worst, jnp.float32)
+
+
+def _fused_numbers(reach, fusion, dim):
+    """[vouched, e, the levels' weights, the tail's constants] for points within ``reach`` of the origin: the
+    rule (see this section's head) and the grid 2^(e - 30)."""
+    step, steps, tail, _, consts = fusion
+    eps, levels = float(jnp.finfo(jnp.float32).eps), 2 * DIGITS - 1
+    exponent = jnp.frexp(reach)[1]  # reach = m 2^e, m in [0.5, 1)
+    grid = jnp.abs(step) * jnp.ldexp(jnp.float32(1.0), exponent - 30)  # the grid's step in d's units
+    rho = math.sqrt(dim) * grid
+    kappa = (4 * (dim + steps + 1) - (levels + 2 * steps + 2)) * eps / 2
+    vouched = (_sensitivity(tail) * rho * rho * (1 + 1 / kappa) <= 16 * eps) & (grid * grid >= 2.0**-100)
+    vouched &= jnp.isfinite(reach) & (jnp.abs(exponent) <= 100)
+    weights = grid * grid * 256.0 ** jnp.arange(levels - 1, -1, -1, dtype=jnp.float32)
+    head = jnp.stack([vouched.astype(jnp.float32), exponent.astype(jnp.float32)])
+    return jax.lax.stop_gradient(jnp.concatenate([head, weights, jnp.stack([*consts, jnp.float32(0)])]))
+
+
+def _fused_rows_times(kernel, x1, x2, rhs, transposed, plan, rows_times):
+    """The engine's ``rows_times`` by the fused form where this section's rule vouches for the points, else by
+    ``rows_times`` (today's form, whose derivatives both use); ``rows_times`` itself where the fused form does not
+    take the product (an operand wider than FUSED_WIDTH_MAX, say)."""
+    n, width = x2.shape[0], rhs.shape[1]
+    if rhs.dtype != jnp.float32 or not (0 < width <= FUSED_WIDTH_MAX and n and x1.shape[0]):
+        return rows_times
+    example = (x2[0], x1[0]) if transposed else (x1[0], x2[0])
+    pair, consts = jax.closure_convert(lambda x, y: kernel(x, y), *example)
+    rows, cols = (jnp.broadcast_to(x[:1], (size, x.shape[1])) for x, size in ((x1, 2), (x2, 3)))  # of both points
+    fusion = _fusion(lambda x, y: pair(x, y, *consts), rows, cols, transposed, plan)
+    if fusion is None:
+        return rows_times
+    reach = jax.lax.stop_gradient(jnp.maximum(jnp.max(jnp.abs(x1)), jnp.max(jnp.abs(x2))))
+    numbers = _fused_numbers(reach, fusion, x1.shape[1])
+    tile_cols = min(FUSED_TILE[1], -(-n // 128) * 128)
+    columns = -(-n // tile_cols) * tile_cols
+    padded = jnp.concatenate([x2, jnp.broadcast_to(x2[:1], (columns - n, x2.shape[1]))]) if columns > n else x2
+    variant, chunks = _fused_chunks(x1.shape[1])
+    cols, col_norms = _packed(
+        _digits(jax.lax.stop_gradient(padded), numbers[1].astype(jnp.int32)), chunks, variant, False
+    )
+    fused = functools.partial(_fused_product, tail=fusion[3], plan=plan)
+    fallback = lambda rows, cols, rhs, *consts: _contract(  # noqa: E731
+        _block(lambda x, y: pair(x, y, *consts), rows, cols, transposed, _without_fused(plan)), rhs, plan
+    )
+    given = (cols, col_norms.T), _fused_operand(rhs, columns), numbers
+    return lambda rows: _fused_or_fallback(fused, fallback, given, rows, x2, rhs, *consts)
+
+
+def _without_fused(plan):
+    """``plan`` for today's form: no fused d^2; a cross_covariance block (here the vmap form's) by the vmap form."""
+    block = Block.VMAP if plan.block is Block.CROSS_COVARIANCE else plan.block
+    distances = tuple(d for d in plan.squared_distances if d is not Distance.FUSED)
+    return dataclasses.replace(plan, block=block, squared_distances=distances)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _fused_or_fallback(fused, fallback, given, rows, cols, rhs, *consts):
+    """The block's product by ``fused`` where ``given``'s numbers vouch for it, else by ``fallback``."""
+    packed, operand, numbers = given
+    on_grid = lambda: fused(rows, packed, operand, numbers).astype(rhs.dtype)  # noqa: E731
+    return jax.lax.cond(numbers[0] > 0, on_grid, lambda: fallback(rows, cols, rhs, *consts))
+
+
+@_fused_or_fallback.defjvp
+def _fused_or_fallback_jvp(fused, fallback, primals, tangents):
+    _, *primals = primals
+    _, *tangents = tangents
+    return jax.jvp(fallback, primals, tangents)
+
+
+# --------------------------------------------------------------------------
+# 8. python lazy_kernel.py: check this machine against a dense NumPy oracle
 # --------------------------------------------------------------------------
 
 

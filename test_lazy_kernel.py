@@ -1974,6 +1974,193 @@ def test_accelerators_blocks_as_accurate_as_the_vmap_form(name, dim, x64, monkey
         assert_as_accurate_on_accuracy_data(name, dim, jnp.float32, x64)
 
 
+# -- layer 7: exact squared distances on a TPU's matrix unit, fused with the product ------------------------------
+
+FUSED_ON_CPU = pytest.mark.skipif(lazy_kernel._pallas() is None or JAX_VERSION < (0, 8), reason="no Pallas TPU here")
+
+
+def integers_of(digits):
+    """The integers [n, D] (Python ints) that ``digits`` [DIGITS, n, D] hold, top digit first."""
+    return sum(digits[i].astype(object) * 256 ** (lazy_kernel.DIGITS - 1 - i) for i in range(lazy_kernel.DIGITS))
+
+
+@FUSED_ON_CPU
+@settings(max_examples=8)
+@given(
+    dim=st.sampled_from([2, 16, 62, 63, 127, 128, 300]),  # bf16: 62 one product per level, 63 chunks; int8 from 128
+    extreme=st.sampled_from(["random", "-128 and 127", "cancelling"]),
+    seed=st.integers(0, 2**16),
+)
+@example(dim=127, extreme="cancelling", seed=0)  # bf16: a level's sum past 2^24, to be carried
+@example(dim=300, extreme="cancelling", seed=0)  # int8
+def test_fused_squared_distances_are_exact(dim, extreme, seed):
+    """The kernel's arithmetic on plain arrays (no Pallas): for points given as digits, d^2 = |a - b|^2 of their
+    integers, exactly up to the last float32 additions of non-negative terms; identical points give 0. In
+    "cancelling", points whose digits differ by 1, -255, -255, -255 in each feature (the last random in three):
+    levels' sums past 2^24, and all but a little cancels."""
+    rng = np.random.default_rng(seed)
+    digits = rng.integers(-128, 128, size=(lazy_kernel.DIGITS, 12, dim))
+    if extreme == "-128 and 127":
+        digits[:, 0], digits[:, 1] = -128, 127
+    if extreme == "cancelling":
+        digits[:, :6], digits[:, 6:] = np.array([1, -128, -128, -128])[:, None, None], 127
+        digits[0, 6:], digits[3, :6, :3] = 0, rng.integers(-128, 128, size=(6, min(dim, 3)))
+    digits[:, 2] = digits[:, 3]  # identical points
+    variant, chunks = lazy_kernel._fused_chunks(dim)
+    assert variant == ("int8" if dim >= lazy_kernel.FUSED_INT8_FEATURES_MIN else "bf16")
+    rows = lazy_kernel._packed(jnp.asarray(digits, jnp.int32), chunks, variant, left=True)
+    cols = lazy_kernel._packed(jnp.asarray(digits, jnp.int32), chunks, variant, left=False)
+    levels = 2 * lazy_kernel.DIGITS - 1
+    weights = jnp.asarray([256.0 ** (levels - 1 - level) for level in range(levels)], jnp.float32)
+    got = np.asarray(lazy_kernel._tile_squared_distances(*rows, cols[0], cols[1].T, weights, chunks, variant))
+    r = integers_of(digits)
+    want = np.array([[sum((p - q) ** 2 for p, q in zip(a, b, strict=True)) for b in r] for a in r], np.float64)
+    assert np.all(np.abs(got - want) <= levels * 2.0**-24 * want), np.max(np.abs(got - want) / np.maximum(want, 1))
+    assert got[2, 3] == got[3, 2] == 0 and np.all(np.diag(got) == 0)
+
+
+@FUSED_ON_CPU
+@given(scale=st.floats(1e-25, 1e25), seed=st.integers(0, 2**16))
+def test_points_on_the_grid_move_by_at_most_half_its_step(scale, seed):
+    """Float32 points as DIGITS signed 8-bit digits on the grid 2^(e - 30), 2^e >= every |coordinate|: each moves
+    by at most 2^(e - 31), digits stay in [-128, 127], and a coordinate within a factor 64 of the largest is exact."""
+    x = np.asarray(np.random.default_rng(seed).normal(size=(20, 5)) * scale, np.float32)
+    x[0, 0] = -np.abs(x).max()
+    exponent = int(jnp.frexp(jnp.max(jnp.abs(jnp.asarray(x))))[1])
+    digits = np.asarray(lazy_kernel._digits(jnp.asarray(x), exponent))
+    assert digits.min() >= -128 and digits.max() <= 127
+    on_grid = np.asarray(integers_of(digits), np.float64) * 2.0 ** (exponent - 30)
+    assert np.all(np.abs(on_grid - x) <= 2.0 ** (exponent - 31))
+    large = np.abs(x) >= 2.0 ** (exponent - 6)
+    np.testing.assert_array_equal(on_grid[large], x[large])
+
+
+def fused_kernels():
+    """name -> (kernel at a scalar lengthscale ls, float32; its NumPy twin, of d^2 / ls^2): the fused form's."""
+
+    def gpjax(name):
+        return lambda ls: getattr(pytest.importorskip("gpjax").kernels, name)(
+            lengthscale=jnp.float32(ls), variance=jnp.float32(1.3)
+        )
+
+    def rbf(z):
+        return 1.3 * np.exp(-0.5 * z)
+
+    def matern52(z):
+        return 1.3 * (1 + np.sqrt(5 * z) + 5 * z / 3) * np.exp(-np.sqrt(5 * z))
+
+    return {
+        "rbf-module": (lambda ls: RBF(jnp.float32(ls), jnp.float32(1.3)), rbf),
+        "rbf-sum": (lambda ls: lambda x, y: 1.3 * jnp.exp(-0.5 * jnp.sum(((x - y) / ls) ** 2)), rbf),
+        "rbf-dot": (lambda ls: lambda x, y: 1.3 * jnp.exp(-0.5 * jnp.dot(x - y, x - y) / ls**2), rbf),
+        "gpjax-RBF": (gpjax("RBF"), rbf),
+        "gpjax-Matern32": (gpjax("Matern32"), lambda z: 1.3 * (1 + np.sqrt(3 * z)) * np.exp(-np.sqrt(3 * z))),
+        "gpjax-Matern52": (gpjax("Matern52"), matern52),
+    }
+
+
+FUSED_KERNELS = fused_kernels()
+
+
+@pytest.mark.parametrize("name", sorted(FUSED_KERNELS))
+@pytest.mark.parametrize("backend", ["cpu", "tpu"])
+def test_which_kernels_the_fused_form_takes(name, backend, monkeypatch):
+    """On a TPU, float32, from FUSED_FEATURES_MIN features: kernels of |s (x - y)|^2 with one scalar step s; not
+    per-feature lengthscales, float64, a CPU, a kernel of no d^2, or with the layer switched off."""
+    monkeypatch.setattr(lazy_kernel, "BACKEND", backend)
+    make, _ = FUSED_KERNELS[name]
+    dim = lazy_kernel.FUSED_FEATURES_MIN
+
+    def fused(kernel, dim=dim, dtype=jnp.float32):
+        return lazy_kernel.Distance.FUSED in lazy_kernel.block_plan(kernel, dim, dtype).squared_distances
+
+    on_tpu = backend == "tpu" and lazy_kernel._pallas() is not None and JAX_VERSION >= (0, 8)
+    assert fused(make(0.9)) == fused(make(0.9), 256) == on_tpu
+    assert not fused(make(0.9), dim - 1) and not fused(make(0.9), dtype=jnp.float64)
+    assert not fused(RBF(jnp.linspace(0.5, 1.5, dim, dtype=jnp.float32)))  # a step per feature
+    assert not fused(functools.partial(scaled_laplace, scale=1.3))  # no d^2
+    monkeypatch.setattr(lazy_kernel, "FUSED_PRODUCT", False)
+    assert not fused(make(0.9))
+
+
+def grid_rounded(x, reach):
+    """NumPy float64 points rounded to the fused form's grid for points within ``reach`` of the origin."""
+    step = 2.0 ** (int(np.frexp(np.float32(reach))[1]) - 30)
+    return np.round(np.asarray(x, np.float64) / step) * step
+
+
+@FUSED_ON_CPU
+@pytest.mark.parametrize("dim, width", [(16, 1), (16, 16), (64, 64), (128, 1), (128, 5)])
+def test_fused_products_match_numpy(dim, width, monkeypatch):
+    """K @ X and X @ K by the fused form (Pallas interpreted here) against NumPy float64 on the points rounded to
+    its grid, 100 lengthscales from the origin (where a float32 GEMM's d^2 errs by 1e-3): within 16 eps of the
+    scale (|K| |X|); ragged sizes (neither a multiple of the tiles), 1 to 64 columns, bf16 and int8 digits, under
+    jit and vmap."""
+    monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
+    rng = np.random.default_rng(dim + width)
+    ls = float(np.float32(np.sqrt(dim / 3)))
+    x1, x2 = (np.asarray(rng.normal(size=(n, dim)) + 100 * ls, np.float32) for n in (70, 300))
+    x, y = (grid_rounded(p, max(np.abs(x1).max(), np.abs(x2).max())) / ls for p in (x1, x2))
+    k = 1.3 * np.exp(-0.5 * ((x[:, None] - y[None]) ** 2).sum(-1))
+    right, left = (np.asarray(rng.uniform(-0.25, 1, size=shape), np.float32) for shape in ((300, width), (width, 70)))
+    lazy = LazyKernel(RBF(jnp.float32(ls), jnp.float32(1.3)), jnp.asarray(x1), jnp.asarray(x2), batch_size=40)
+    assert "pallas_call" in str(jax.make_jaxpr(lambda o: lazy @ o)(right))
+    eps = float(jnp.finfo(jnp.float32).eps)
+    got = np.asarray(jax.jit(lambda o: lazy @ o)(right), np.float64)
+    assert np.max(np.abs(got - k @ right) / (k @ np.abs(right))) <= 16 * eps
+    got = np.asarray(jax.jit(jax.vmap(lambda w: w @ lazy))(left), np.float64)  # X @ K, a row of X at a time
+    assert np.max(np.abs(got - left @ k) / (np.abs(left) @ k)) <= 16 * eps
+
+
+@FUSED_ON_CPU
+@pytest.mark.parametrize("name", sorted(FUSED_KERNELS))
+def test_fused_rule_vouches_where_the_grid_keeps_the_contract(name, monkeypatch):
+    """The rule: lambda = |tail' / tail| taken at d^2 from 0 to 64 (RBF: 1/2; Matern 5/2: 5/6 at 0); points within
+    a few hundred lengthscales of the origin are vouched for, points 1000 lengthscales away are not, and there the
+    product is today's form's; Matern 1/2 (a square root of d^2) never."""
+    monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
+    make, _ = FUSED_KERNELS[name]
+    dim, plan = 16, lazy_kernel.block_plan(RBF(), 16)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(50, dim)), jnp.float32)
+
+    def vouched(kernel, points):
+        rows, cols = jnp.broadcast_to(points[:1], (2, dim)), jnp.broadcast_to(points[:1], (3, dim))
+        fusion = lazy_kernel._fusion(kernel, rows, cols, False, plan)
+        return fusion, bool(lazy_kernel._fused_numbers(jnp.max(jnp.abs(points)), fusion, dim)[0])
+
+    fusion, near = vouched(make(1.0), x + 100)
+    sensitivity = float(lazy_kernel._sensitivity(fusion[2]))
+    assert sensitivity == pytest.approx({"gpjax-Matern32": 1.5, "gpjax-Matern52": 5 / 6}.get(name, 0.5), rel=1e-3)
+    assert near and not vouched(make(1.0), x + 1000)[1]
+    matern12 = lambda x, y: jnp.exp(-jnp.sqrt(jnp.maximum(jnp.sum((x - y) ** 2), 1e-36)))  # noqa: E731
+    assert not vouched(matern12, x)[1]
+    far = LazyKernel(make(1.0), x + 1000, x, batch_size=20)
+    v = jnp.linspace(-1, 1, 50, dtype=jnp.float32)
+    fused = jax.jit(lambda v: far @ v)(v)
+    monkeypatch.setattr(lazy_kernel, "FUSED_PRODUCT", False)
+    np.testing.assert_array_equal(fused, jax.jit(lambda v: far @ v)(v))
+
+
+@FUSED_ON_CPU
+@ON_ACCELERATORS
+@pytest.mark.parametrize("dim", [16, 128])
+@pytest.mark.parametrize("name", ["rbf-module", "rbf-pair", "gpjax-RBF", "gpjax-Matern52", "matern12-pair"])
+def test_fused_products_as_accurate_as_the_vmap_form(name, dim, monkeypatch, device):
+    """The oracle test of every form (test_as_accurate_as_the_vmap_form) at one scalar lengthscale, where a TPU
+    fuses the product (faked here; the accelerator subset runs it on the chip too): values and gradients, data
+    spread over 1 to 1000 lengthscales (the rule sends the farthest to today's form), at distance zero, near
+    pairs, far from the origin and in tight clusters."""
+    if device.platform != "tpu":
+        monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
+    rng = np.random.default_rng(dim)
+    ls = np.array(0.9)
+    make = ACCURACY_KERNELS[name][0]
+    fused = lazy_kernel.Distance.FUSED in lazy_kernel.block_plan(make(jnp.float32(0.9)), dim).squared_distances
+    assert fused  # Matern 1/2's too: the rule then sends every product to today's form
+    weights = rng.normal(size=(24, 20))
+    assert_as_accurate_as_the_vmap_form(name, accuracy_data(rng, dim, ls), ls, jnp.float32, True, weights)
+
+
 # -- the sanity check -----------------------------------------------------------
 
 
