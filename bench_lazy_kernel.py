@@ -12,6 +12,7 @@
     python bench_lazy_kernel.py --accelerator 32768  # off the CPU: --kernels at N for every D
     python bench_lazy_kernel.py --accelerator-blocks 32768  # off the CPU: blocks by size, D = 3 to 256
     python bench_lazy_kernel.py --accelerator-features 32768  # off the CPU: features written out against vmap
+    python bench_lazy_kernel.py --fused 32768    # off the CPU: fused products (one lengthscale) by D
     python bench_lazy_kernel.py                  # all nine at those sizes (not the accelerator tables)
 
 The constants in lazy_kernel.py's plan, and what these modes measured for them:
@@ -576,6 +577,33 @@ def accelerator_features_table(n, gpjax):
             print(f"| {dim} | {kernel} | {written} | {vmapped} |", flush=True)
 
 
+def fused_table(n, gpjax):
+    """Off the CPU: products with one scalar lengthscale, which a TPU fuses from FUSED_FEATURES_MIN (layer 7),
+    against the same RBF with FUSED_PRODUCT off and the inexact GEMM RBF, by D."""
+    print(f"\n## Fused products (layer 7), lengthscale sqrt(D / 3), float32, M = N = {n}: K @ v, K @ X (16 columns)")
+    print("## in ms, ratios to the inexact GEMM RBF in the same run\n")
+    names = ["inexact GEMM RBF", "lazy_kernel.RBF", "RBF, FUSED_PRODUCT off"] + ["GPJax RBF"] * (gpjax is not None)
+    print(f"| D | {' | '.join(names)} |")
+    print("|---" * (len(names) + 1) + "|")
+    for dim in (3, 16, 32, 64, 128, 256):
+        rng = np.random.default_rng(0)
+        x = jnp.asarray(rng.normal(size=(n, dim)), jnp.float32)
+        v, wide = jnp.asarray(rng.normal(size=n), jnp.float32), jnp.asarray(rng.normal(size=(n, 16)), jnp.float32)
+        ls = jnp.float32(np.sqrt(dim / 3))
+        product = lambda kernel: lambda points, rhs: LazyKernel(kernel, points, points) @ rhs  # noqa: E731
+        made = [GemmRBF(ls), RBF(ls, jnp.float32(1.3))]
+        if gpjax is not None:
+            made.append(gpjax.kernels.RBF(lengthscale=ls, variance=jnp.float32(1.3)))
+        functions = [product(k) for k in made]
+        functions.insert(2, traced_with(product(made[1]), FUSED_PRODUCT=False))
+        by_v, by_wide = (median_times(functions, (x, operand)) for operand in (v, wide))
+        cells = [
+            f"{a * 1e3:.1f}, {b * 1e3:.1f} ({a / by_v[0]:.2f}, {b / by_wide[0]:.2f})"
+            for a, b in zip(by_v, by_wide, strict=True)
+        ]
+        print(f"| {dim} | {' | '.join(cells)} |", flush=True)
+
+
 def machine():
     device = jax.devices()[0]
     cpu = platform.machine()
@@ -606,6 +634,7 @@ def main():
     parser.add_argument("--accelerator", type=int, metavar="N")
     parser.add_argument("--accelerator-blocks", type=int, metavar="N")
     parser.add_argument("--accelerator-features", type=int, metavar="N")
+    parser.add_argument("--fused", type=int, metavar="N")
     args = parser.parse_args()
     if not any(vars(args).values()):
         vars(args).update(CPU_TABLES)
@@ -639,6 +668,8 @@ def main():
         accelerator_blocks_table(args.accelerator_blocks)
     if args.accelerator_features:
         accelerator_features_table(args.accelerator_features, gpjax)
+    if args.fused:
+        fused_table(args.fused, gpjax)
 
 
 if __name__ == "__main__":

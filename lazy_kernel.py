@@ -20,7 +20,7 @@ Reading map. The core comes first and runs alone:
 3. The engine: ``_blockwise_matmul``, the loop above, and ``_contract``.
 4. The operator: ``LazyKernel``, with CAGPJax's batch-size arithmetic.
 
-Two optional layers follow, each with a switch (set it before tracing; ``jit``
+Three optional layers follow, each with a switch (set it before tracing; ``jit``
 keeps what it traced), each entered from the core only at the functions named:
 
 5. ``PAIR_PROGRAM``: blocks from the kernel's own program run on whole blocks,
@@ -30,8 +30,11 @@ keeps what it traced), each entered from the core only at the functions named:
    that runs, so that the budget bounds the real memory, gradients included
    (``_measured_product`` for products; ``_measured_block`` and
    ``_differentiated`` for ``block_rows`` and ``measure()``).
+7. ``FUSED_PRODUCT``: on a TPU, a block's product in one Pallas kernel, with
+   squared distances exact on the matrix unit, where the plan says and a rule
+   vouches (``_fused_rows_times``; ``block_plan`` asks ``_fused_takes``).
 
-7. ``python lazy_kernel.py`` checks a machine against a dense NumPy oracle.
+8. ``python lazy_kernel.py`` checks a machine against a dense NumPy oracle.
 
 The file depends on ``jax`` alone: copy it into your project if you like.
 """
@@ -244,6 +247,8 @@ ACCELERATOR_FEATURES = range(2, 65)  # off the CPU, features written out beat th
 GEMM_FEATURES_MIN = 128  # below it, too many pairs a GEMM cannot vouch for: the fallback costs more
 WIDE_GEMM_FEATURES_MIN = 8  # on CPU, the float64 GEMM beats the loop from here
 FUSED_FEATURES_MIN = 16  # on a TPU, the fused product (layer 7) from here: at D = 3 today's form took 0.24x its time
+FUSED_WIDTH_MAX = 64  # operand columns the fused product takes; a wider operand gets today's form
+FUSED_INT8_FEATURES_MIN = 128  # fused digits in int8 from here (half bf16's matrix-unit time, more vector work)
 CONTRACTION_CHUNK = 2048  # a TPU's matrix unit sums this many float32 terms within 2 eps (see _chunked_contract)
 CPU_BLOCK_BYTES = 4 * 2**20  # cache-sized blocks were the fastest on CPU
 CPU_MIN_BLOCK = 64  # blocks of 16 rows or columns were slower
@@ -525,7 +530,8 @@ class LazyKernel:
             return _contract(_block(kernel, rows, cols, transposed, plan).astype(dtype), rhs, plan)
 
         if Distance.FUSED in plan.squared_distances:  # layer 7, where it takes the product
-            rows_times = _fused_rows_times(kernel, jnp.asarray(op.x1), cols, rhs, transposed, plan, rows_times)
+            x1, budget = jnp.asarray(op.x1), op.max_memory_mb * 2**20
+            rows_times = _fused_rows_times(kernel, x1, cols, rhs, transposed, plan, rows_times, budget)
         return _blockwise_matmul(rows_times, jnp.asarray(op.x1), rhs.shape[1], dtype, block, op.checkpoint, (op, rhs))
 
     def _plan(self):
@@ -1668,7 +1674,7 @@ def _peak_key(op, width, dtype):
 # Where a kernel is a function of d^2 = |s (x - y)|^2 with one scalar step s (a lengthscale), a TPU's matrix
 # unit computes |x - y|^2 exactly for points on a grid. Each coordinate becomes r 2^(e - 30), r an integer of
 # DIGITS signed 8-bit digits a_0 .. a_3 (top first) and 2^e >= every |coordinate|: the grid moves a coordinate by
-# at most 2^(e - 31), 1/128 of the largest coordinate's ulp, and none within a factor 128 of it. Digits are exact
+# at most 2^(e - 31), 1/128 of the largest coordinate's ulp, and none at least 1/64 of it. Digits are exact
 # in bf16 and in int8, their products exact on the matrix unit, their sums exact below 2^24 (bf16 into float32)
 # or 2^31 (int8 into int32). For each level l = i + j of digit pairs,
 #
@@ -1681,18 +1687,17 @@ def _peak_key(op, width, dtype):
 # in VMEM: the levels, d^2 (times s^2), the kernel's tail (its program as a function of d^2) and the tile's
 # product with the operand, added into the block's result.
 #
-# The rule (_vouched), per product: the grid moves a difference by at most rho = sqrt(D) |s| 2^(e - 30), so d^2
+# The rule (_fused_numbers), per product: the grid moves a difference by at most rho = sqrt(D) |s| 2^(e - 30), so d^2
 # by 2 d rho + rho^2, and the levels' sum and s^2 round d^2 by (G + 2 n + 2) u (u = eps / 2, G = 7 levels, n
 # steps in s), where the direct sum's bound is (D + n + 1) u d^2. K moves by |tail'| times that, and lambda
 # bounds |tail' / tail| (taken in float64 at d^2 from 0 to 64). The fused form runs where, for every d, its bound
 # is within the contract (16 eps of K plus 4x the direct sum's): lambda rho^2 (1 + 1 / kappa) <= 16 eps, with
 # kappa = (4 (D + n + 1) - (G + 2 n + 2)) u. Elsewhere (points past about 500 lengthscales from the origin, say)
-# today's form runs. Derivatives are today's form's: the fused form gives values only (a custom_jvp).
+# today's form runs, as it does where the columns' digits would take more than half of max_memory_mb.
+# Derivatives are today's form's: the fused form gives values only (a custom_jvp).
 
 DIGITS = 4  # signed 8-bit digits per coordinate
 FUSED_TILE = (256, 1024)  # rows and columns of K per step of the Pallas kernel (rows: a multiple of 32)
-FUSED_WIDTH_MAX = 64  # operand columns the fused product takes; a wider operand gets today's form
-FUSED_INT8_FEATURES_MIN = 128  # int8 digits from here: half bf16's matrix-unit time, more vector work
 FUSED_VMEM_BYTES = 100 * 2**20  # the kernel's VMEM (of a v5e core's 128 MiB); Mosaic's default 16 MiB is too small
 _BF16_FOLDED = 250  # digit columns per exact bf16 product with the 6 norm columns folded in: 2^16 each, < 2^24
 _BF16_PLAIN = 256  # digit columns per exact bf16 product without them
@@ -2056,12 +2061,14 @@ def _fused_numbers(reach, fusion, dim):
     return jax.lax.stop_gradient(jnp.concatenate([head, weights, jnp.stack([*consts, jnp.float32(0)])]))
 
 
-def _fused_rows_times(kernel, x1, x2, rhs, transposed, plan, rows_times):
+def _fused_rows_times(kernel, x1, x2, rhs, transposed, plan, rows_times, budget):
     """The engine's ``rows_times`` by the fused form where this section's rule vouches for the points, else by
     ``rows_times`` (today's form, whose derivatives both use); ``rows_times`` itself where the fused form does not
-    take the product (an operand wider than FUSED_WIDTH_MAX, say)."""
+    take the product: an operand wider than FUSED_WIDTH_MAX, or the columns' digits over half the ``budget``."""
     n, width = x2.shape[0], rhs.shape[1]
-    if rhs.dtype != jnp.float32 or not (0 < width <= FUSED_WIDTH_MAX and n and x1.shape[0]):
+    variant, chunks = _fused_chunks(x1.shape[1])
+    digit_bytes = (chunks[-1].offset + chunks[-1].padded) * n * (2 if variant == "bf16" else 1)
+    if rhs.dtype != jnp.float32 or not (0 < width <= FUSED_WIDTH_MAX and n and x1.shape[0]) or digit_bytes > budget / 2:
         return rows_times
     example = (x2[0], x1[0]) if transposed else (x1[0], x2[0])
     pair, consts = jax.closure_convert(lambda x, y: kernel(x, y), *example)
@@ -2074,7 +2081,6 @@ def _fused_rows_times(kernel, x1, x2, rhs, transposed, plan, rows_times):
     tile_cols = min(FUSED_TILE[1], -(-n // 128) * 128)
     columns = -(-n // tile_cols) * tile_cols
     padded = jnp.concatenate([x2, jnp.broadcast_to(x2[:1], (columns - n, x2.shape[1]))]) if columns > n else x2
-    variant, chunks = _fused_chunks(x1.shape[1])
     cols, col_norms = _packed(
         _digits(jax.lax.stop_gradient(padded), numbers[1].astype(jnp.int32)), chunks, variant, False
     )
