@@ -1778,7 +1778,7 @@ def _packed(digits, chunks, variant, left):
     blocks, norms = [], []
     for chunk in chunks:
         part = jnp.concatenate([digits[i if left else j, :, d0:d1] for i, j, d0, d1 in chunk.pairs], 1)
-        norm = sum(jnp.sum(digits[i, :, d0:d1] * digits[j, :, d0:d1], 1) for i, j, d0, d1 in chunk.pairs)
+        norm = sum(jnp.sum(digits[i, :, d0:d1] * digits[j, :, d0:d1], 1, jnp.int32) for i, j, d0, d1 in chunk.pairs)
         part = part.astype(jnp.float32) * (1.0 if left or variant == "int8" else -2.0)
         if chunk.fold:  # the norm as 3 base-256 digits, times 2^16, 2^8 and 1 on the other side
             low = ((norm + 128) & 255) - 128
@@ -1822,7 +1822,7 @@ def _tile_squared_distances(rows, row_norms, cols, col_norms, scales, chunks, va
                 rows[:, chunk.offset : chunk.offset + chunk.padded],
                 cols[chunk.offset : chunk.offset + chunk.padded, :],
             )
-            part = jax.lax.dot(a, b, preferred_element_type=accumulate)
+            part = jax.lax.dot(a, b, precision=jax.lax.Precision.DEFAULT, preferred_element_type=accumulate)  # exact: digits
             if not chunk.fold:  # bf16's columns hold -2 b already
                 norms = row_norms[:, chunk.plain : chunk.plain + 1] + col_norms[chunk.plain : chunk.plain + 1, :]
                 part = norms - (part + part) if variant == "int8" else norms + part
@@ -1921,7 +1921,7 @@ def _fused_kernel(tail, chunks, variant, width, *refs):
             total = total + products[:, lane : lane + 128]
         out[...] += total
     else:  # HIGHEST's six bf16 products, as three: K in three exact bf16 pieces times the operand's
-        dot = functools.partial(jax.lax.dot, preferred_element_type=jnp.float32)
+        dot = functools.partial(jax.lax.dot, precision=jax.lax.Precision.DEFAULT, preferred_element_type=jnp.float32)
         out[...] += sum(
             dot(piece.astype(jnp.bfloat16), x[...]) for piece, x in zip(_bf16_pieces(k), operand, strict=True)
         )
@@ -1967,24 +1967,25 @@ def _fused_product(rows, cols, operand, numbers, tail, plan):
     operand_specs = (
         [by_col((1, tile_cols))] if width == 1 else [pl.BlockSpec((tile_cols, 3 * width), lambda i, j: (j, 0))] * 3
     )
-    out = pl.pallas_call(
-        functools.partial(_fused_kernel, tail, chunks, variant, width),
-        grid=(padded // tile_rows, n // tile_cols),
-        in_specs=[
-            pl.BlockSpec(memory_space=pltpu.SMEM),
-            by_row((tile_rows, rows.shape[1])),
-            by_row((tile_rows, row_norms.shape[1])),
-            by_col((cols.shape[0], tile_cols)),
-            by_col((col_norms.shape[0], tile_cols)),
-            *operand_specs,
-        ],
-        out_specs=by_row((tile_rows, out_width)),
-        out_shape=jax.ShapeDtypeStruct((padded, out_width), jnp.float32),
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=FUSED_VMEM_BYTES
-        ),
-        interpret=plan.interpret,
-    )(numbers[2:], rows, row_norms, cols, col_norms, *operand)[:b]
+    with jax.enable_x64(False):  # Mosaic takes no 64-bit values: the kernel's literals and index maps in 32 bits
+        out = pl.pallas_call(
+            functools.partial(_fused_kernel, tail, chunks, variant, width),
+            grid=(padded // tile_rows, n // tile_cols),
+            in_specs=[
+                pl.BlockSpec(memory_space=pltpu.SMEM),
+                by_row((tile_rows, rows.shape[1])),
+                by_row((tile_rows, row_norms.shape[1])),
+                by_col((cols.shape[0], tile_cols)),
+                by_col((col_norms.shape[0], tile_cols)),
+                *operand_specs,
+            ],
+            out_specs=by_row((tile_rows, out_width)),
+            out_shape=jax.ShapeDtypeStruct((padded, out_width), jnp.float32),
+            compiler_params=pltpu.CompilerParams(
+                dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=FUSED_VMEM_BYTES
+            ),
+            interpret=plan.interpret,
+        )(numbers[2:], rows, row_norms, cols, col_norms, *operand)[:b]
     if width == 1:
         return jnp.sum(out, 1, keepdims=True)
     return out[:, :width] + out[:, width : 2 * width] + out[:, 2 * width :]

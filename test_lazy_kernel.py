@@ -12,6 +12,7 @@
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import os
 import socket
@@ -2033,6 +2034,52 @@ def test_points_on_the_grid_move_by_at_most_half_its_step(scale, seed):
     assert np.all(np.abs(on_grid - x) <= 2.0 ** (exponent - 31))
     large = np.abs(x) >= 2.0 ** (exponent - 6)
     np.testing.assert_array_equal(on_grid[large], x[large])
+
+
+def pallas_calls(jaxpr):
+    """The pallas_call equations in ``jaxpr`` and the jaxprs inside it."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            found.append(eqn)
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, (tuple, list)) else [param]:
+                inner = getattr(inner, "jaxpr", inner)
+                found += pallas_calls(inner) if hasattr(inner, "eqns") else []
+    return found
+
+
+@FUSED_ON_CPU
+@pytest.mark.parametrize("dim, width", [(16, 1), (16, 16), (128, 4)])
+def test_fused_kernel_is_one_mosaic_takes(dim, width, monkeypatch):
+    """What Mosaic compiles is the same with x64 on and a matmul precision set (as this suite has them) as with
+    neither: no 64-bit value (Mosaic has none), digits multiplied at DEFAULT (Mosaic refuses HIGHEST on bf16); and
+    it lowers for a TPU here. Before, a TPU v5e failed to compile it under this suite's settings."""
+    monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
+
+    def kernels():
+        lazy = lambda x, v: LazyKernel(RBF(jnp.float32(2.0), jnp.float32(1.3)), x, x, batch_size=256) @ v  # noqa: E731
+        x, v = jnp.ones((512, dim), jnp.float32), jnp.ones((512, width), jnp.float32)
+        (call,) = pallas_calls(jax.make_jaxpr(lazy)(x, v).jaxpr)
+        maps = [str(mapping.index_map_jaxpr) for mapping in call.params["grid_mapping"].block_mappings]
+        exported = jax.export.export(jax.jit(lambda *a: lazy(*a)), platforms=["tpu"])  # not make_jaxpr's trace
+        plan = lazy_kernel.block_plan
+        monkeypatch.setattr(lazy_kernel, "block_plan", lambda *a: dataclasses.replace(plan(*a), interpret=False))
+        try:
+            assert "tpu_custom_call" in exported(x, v).mlir_module()
+        finally:
+            monkeypatch.setattr(lazy_kernel, "block_plan", plan)
+        return str(call.params["jaxpr"]), maps
+
+    kernel, maps = kernels()
+    assert not any(wide in kernel + "".join(maps) for wide in ("f64", "i64")), maps
+    assert "HIGHEST" not in kernel
+    with x64_switched(False):
+        jax.config.update("jax_default_matmul_precision", None)
+        try:
+            assert kernels() == (kernel, maps)
+        finally:
+            jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def fused_kernels():
