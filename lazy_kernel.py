@@ -1732,13 +1732,8 @@ def _fused_chunks(dim):
         columns = [(i, j, d) for i, j in pairs for d in range(dim)]
         if variant == "int8":  # exact below 2^31: one product per level up to D = 8191
             sizes, fold = [len(columns)], False
-        else:
-            folded = [_BF16_FOLDED] * (len(columns) // _BF16_FOLDED) + [len(columns) % _BF16_FOLDED] * bool(
-                len(columns) % _BF16_FOLDED
-            )
-            plain = [_BF16_PLAIN] * (len(columns) // _BF16_PLAIN) + [len(columns) % _BF16_PLAIN] * bool(
-                len(columns) % _BF16_PLAIN
-            )
+        else:  # fold the norms in where that costs no extra pass
+            folded, plain = _in_pieces(len(columns), _BF16_FOLDED), _in_pieces(len(columns), _BF16_PLAIN)
             fold = sum(passes(c + _NORM_COLUMNS) for c in folded) <= sum(passes(c) for c in plain)
             sizes = folded if fold else plain
         start = 0
@@ -1757,6 +1752,11 @@ def _fused_chunks(dim):
         chunks.append(_Chunk(level, runs, width, fold, offset, padded, -1 if fold else plain))
         offset, plain = offset + padded, plain + (not fold)
     return variant, tuple(chunks)
+
+
+def _in_pieces(total, most):
+    """``total`` as sizes of at most ``most``, all ``most`` but the last."""
+    return [most] * (total // most) + [total % most] * bool(total % most)
 
 
 def _digits(points, exponent):
@@ -1822,7 +1822,9 @@ def _tile_squared_distances(rows, row_norms, cols, col_norms, scales, chunks, va
                 rows[:, chunk.offset : chunk.offset + chunk.padded],
                 cols[chunk.offset : chunk.offset + chunk.padded, :],
             )
-            part = jax.lax.dot(a, b, precision=jax.lax.Precision.DEFAULT, preferred_element_type=accumulate)  # exact: digits
+            part = jax.lax.dot(
+                a, b, precision=jax.lax.Precision.DEFAULT, preferred_element_type=accumulate
+            )  # exact: digits
             if not chunk.fold:  # bf16's columns hold -2 b already
                 norms = row_norms[:, chunk.plain : chunk.plain + 1] + col_norms[chunk.plain : chunk.plain + 1, :]
                 part = norms - (part + part) if variant == "int8" else norms + part
