@@ -1056,14 +1056,20 @@ def _takes_error(tail, delta, eps):
     RBF, Matern 3/2 and 5/2 pass while delta is small; Matern 1/2 (a square root of d^2) never does: its
     derivative moves by half at 2 delta."""
 
+    value, slope, curvature = _tail_derivatives(tail, jnp.stack([2 * delta, 4 * delta / eps]))
+    value_moved, slope_moved = jnp.abs(slope) * delta, jnp.abs(curvature) * delta
+    return jnp.all((value_moved <= 16 * eps * jnp.abs(value)) & (slope_moved <= 16 * eps * jnp.abs(slope)))
+
+
+def _tail_derivatives(tail, at):
+    """``tail`` (a function of d^2) and its first two derivatives at each of the points ``at``."""
+
     def derivatives(at):
         with_slope = lambda at: jax.jvp(tail, (at,), (jnp.ones_like(at),))  # noqa: E731
         (value, slope), (_, curvature) = jax.jvp(with_slope, (at,), (jnp.ones_like(at),))
         return value, slope, curvature
 
-    value, slope, curvature = jax.vmap(derivatives)(jnp.stack([2 * delta, 4 * delta / eps]))
-    value_moved, slope_moved = jnp.abs(slope) * delta, jnp.abs(curvature) * delta
-    return jnp.all((value_moved <= 16 * eps * jnp.abs(value)) & (slope_moved <= 16 * eps * jnp.abs(slope)))
+    return jax.vmap(derivatives)(at)
 
 
 def _in_float64(program):
@@ -1953,16 +1959,15 @@ def _pallas():
 
 def _fused_product(rows, cols, operand, numbers, tail, plan):
     """One block's product by the Pallas kernel: rows [b, D] float32 points, ``cols`` their packed columns and
-    norms, ``operand`` its pieces (_fused_operand), ``numbers`` the levels' weights and the tail's constants."""
+    norms, ``operand`` its pieces (_fused_operand), ``numbers`` _fused_numbers'."""
     pl, pltpu = _pallas()
     (cols, col_norms), (variant, chunks) = cols, _fused_chunks(rows.shape[1])
-    exponent = numbers[1]
+    _, exponent, read = numbers
     b, n, width = rows.shape[0], cols.shape[1], operand[0].shape[0] if len(operand) == 1 else operand[0].shape[1] // 3
     tile_rows = min(FUSED_TILE[0], -(-b // 32) * 32)
     tile_cols = min(FUSED_TILE[1], n)
     padded = -(-b // tile_rows) * tile_rows
-    rows = jnp.concatenate([rows, jnp.broadcast_to(rows[:1], (padded - b, rows.shape[1]))]) if padded > b else rows
-    rows, row_norms = _packed(_digits(rows, exponent.astype(jnp.int32)), chunks, variant, left=True)
+    rows, row_norms = _packed(_digits(_padded(rows, padded), exponent), chunks, variant, left=True)
     out_width = 128 if width == 1 else 3 * width
     by_row = lambda shape: pl.BlockSpec(shape, lambda i, j: (i, 0))  # noqa: E731
     by_col = lambda shape: pl.BlockSpec(shape, lambda i, j: (0, j))  # noqa: E731
@@ -1987,10 +1992,16 @@ def _fused_product(rows, cols, operand, numbers, tail, plan):
                 dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=FUSED_VMEM_BYTES
             ),
             interpret=plan.interpret,
-        )(numbers[2:], rows, row_norms, cols, col_norms, *operand)[:b]
+        )(read, rows, row_norms, cols, col_norms, *operand)[:b]
     if width == 1:
         return jnp.sum(out, 1, keepdims=True)
     return out[:, :width] + out[:, width : 2 * width] + out[:, 2 * width :]
+
+
+def _padded(points, size):
+    """``points`` with copies of the first appended up to ``size``: real points, whose K is finite."""
+    extra = jnp.broadcast_to(points[:1], (size - points.shape[0], points.shape[1]))
+    return jnp.concatenate([points, extra]) if size > points.shape[0] else points
 
 
 def _fused_operand(rhs, columns):
@@ -2041,16 +2052,15 @@ def _sensitivity(tail):
     if widened is None:
         return jnp.float32(jnp.inf)
     with _float64():
-        at = jnp.asarray(_SENSITIVITY_AT, jnp.float64)
-        value, slope = jax.vmap(lambda z: jax.jvp(widened, (z,), (jnp.ones_like(z),)))(at)
+        value, slope, _ = _tail_derivatives(widened, jnp.asarray(_SENSITIVITY_AT, jnp.float64))
         ratio = jnp.where(value == 0, 0.0, jnp.abs(slope) / jnp.abs(value))
         worst = jnp.max(jnp.where(jnp.isnan(ratio), jnp.inf, ratio))
         return jax.lax.convert_element_type(worst, jnp.float32)
 
 
 def _fused_numbers(reach, fusion, dim):
-    """[vouched, e, the levels' weights, the tail's constants] for points within ``reach`` of the origin: the
-    rule (see this section's head) and the grid 2^(e - 30)."""
+    """For points within ``reach`` of the origin: whether the rule (see this section's head) vouches; e, of the
+    grid 2^(e - 30); and what the kernel reads from SMEM, the levels' weights and the tail's constants."""
     step, steps, tail, _, consts = fusion
     eps, levels = float(jnp.finfo(jnp.float32).eps), 2 * DIGITS - 1
     exponent = jnp.frexp(reach)[1]  # reach = m 2^e, m in [0.5, 1)
@@ -2060,8 +2070,8 @@ def _fused_numbers(reach, fusion, dim):
     vouched = (_sensitivity(tail) * rho * rho * (1 + 1 / kappa) <= 16 * eps) & (grid * grid >= 2.0**-100)
     vouched &= jnp.isfinite(reach) & (jnp.abs(exponent) <= 100)
     weights = grid * grid * 256.0 ** jnp.arange(levels - 1, -1, -1, dtype=jnp.float32)
-    head = jnp.stack([vouched.astype(jnp.float32), exponent.astype(jnp.float32)])
-    return jax.lax.stop_gradient(jnp.concatenate([head, weights, jnp.stack([*consts, jnp.float32(0)])]))
+    read = jnp.concatenate([weights, jnp.stack([*consts, jnp.float32(0)])])
+    return jax.lax.stop_gradient((vouched, exponent, read))
 
 
 def _fused_rows_times(kernel, x1, x2, rhs, transposed, plan, rows_times, budget):
@@ -2081,12 +2091,10 @@ def _fused_rows_times(kernel, x1, x2, rhs, transposed, plan, rows_times, budget)
         return rows_times
     reach = jax.lax.stop_gradient(jnp.maximum(jnp.max(jnp.abs(x1)), jnp.max(jnp.abs(x2))))
     numbers = _fused_numbers(reach, fusion, x1.shape[1])
+    _, exponent, _ = numbers
     tile_cols = min(FUSED_TILE[1], -(-n // 128) * 128)
     columns = -(-n // tile_cols) * tile_cols
-    padded = jnp.concatenate([x2, jnp.broadcast_to(x2[:1], (columns - n, x2.shape[1]))]) if columns > n else x2
-    cols, col_norms = _packed(
-        _digits(jax.lax.stop_gradient(padded), numbers[1].astype(jnp.int32)), chunks, variant, False
-    )
+    cols, col_norms = _packed(_digits(jax.lax.stop_gradient(_padded(x2, columns)), exponent), chunks, variant, False)
     fused = functools.partial(_fused_product, tail=fusion[3], plan=plan)
     fallback = lambda rows, cols, rhs, *consts: _contract(  # noqa: E731
         _block(lambda x, y: pair(x, y, *consts), rows, cols, transposed, _without_fused(plan)), rhs, plan
@@ -2106,8 +2114,8 @@ def _without_fused(plan):
 def _fused_or_fallback(fused, fallback, given, rows, cols, rhs, *consts):
     """The block's product by ``fused`` where ``given``'s numbers vouch for it, else by ``fallback``."""
     packed, operand, numbers = given
-    on_grid = lambda: fused(rows, packed, operand, numbers).astype(rhs.dtype)  # noqa: E731
-    return jax.lax.cond(numbers[0] > 0, on_grid, lambda: fallback(rows, cols, rhs, *consts))
+    on_grid = lambda: fused(rows, packed, operand, numbers)  # noqa: E731
+    return jax.lax.cond(numbers[0], on_grid, lambda: fallback(rows, cols, rhs, *consts))
 
 
 @_fused_or_fallback.defjvp
