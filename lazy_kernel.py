@@ -378,6 +378,7 @@ def _chunked_contract(block, rhs, chunk, precision):
     The columns are padded to whole chunks with zero rows of rhs. The optimization barriers keep XLA from
     folding the chunks' sum back into one product, and the block whole: fused into the product, a written-out
     block whose kernel's arrays are inputs (under ``grad`` in them, say) took XLA:TPU 17.8 GB of temporaries.
+    Holding the block whole costs K @ X (16 columns, N = 65536, TPU v5e) 1.78x the time at D = 3, 1.26x at 16.
     """
     (rows, n), width = block.shape, rhs.shape[1]
     pad = -n % chunk
