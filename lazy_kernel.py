@@ -1679,32 +1679,34 @@ def _peak_key(op, width, dtype):
 # --------------------------------------------------------------------------
 #
 # Where a kernel is a function of d^2 = |s (x - y)|^2 with one scalar step s (a lengthscale), a TPU's matrix
-# unit computes |x - y|^2 exactly for points on a grid. Each coordinate becomes r 2^(e - 30), r an integer of
-# DIGITS signed 8-bit digits a_0 .. a_3 (top first) and 2^e >= every |coordinate|: the grid moves a coordinate by
-# at most 2^(e - 31), 1/128 of the largest coordinate's ulp, and none at least 1/64 of it. Digits are exact
-# in bf16 and in int8, their products exact on the matrix unit, their sums exact below 2^24 (bf16 into float32)
-# or 2^31 (int8 into int32). For each level l = i + j of digit pairs,
+# unit computes |x - y|^2 exactly for points on a grid. Each coordinate becomes r 2^(e - 8 c + 2), r an integer of
+# c signed 8-bit digits (top first) and 2^e >= every |coordinate|. With c = 4 the grid moves a coordinate by at
+# most 1/128 of the largest coordinate's ulp, and none at least 1/64 of it; with c = 3 by about that ulp, so the
+# rule vouches for fewer points, but a block takes 9 digit products, not 16. Digits are exact in bf16 and in
+# int8, their products exact on the matrix unit, their sums exact below 2^24 (bf16 into float32) or 2^31 (int8
+# into int32). For each level l = i + j of digit pairs,
 #
 #     T_l = sum_{i+j=l} (a_i - b_i) . (a_j - b_j) = |a|^2_l + |b|^2_l - 2 sum_{i+j=l} a_i . b_j
 #
 # is exact: one product per level, the level's digit pairs packed side by side (bf16 folds the norms in as six
 # more columns where that costs no extra pass of the 128-deep unit; more than 250 digit columns go in chunks
-# whose exact sums are added). Carries then bring T_1 .. T_6 into [0, 256), so |x - y|^2 on the grid is a sum of
-# non-negative terms: nothing is left to cancel. One Pallas kernel per block keeps each tile of FUSED_TILE pairs
-# in VMEM: the levels, d^2 (times s^2), the kernel's tail (its program as a function of d^2) and the tile's
+# whose exact sums are added). Carries then bring T_1 .. T_(2c-2) into [0, 256), so |x - y|^2 on the grid is a
+# sum of non-negative terms: nothing is left to cancel. One Pallas kernel per block keeps each tile of FUSED_TILE
+# pairs in VMEM: the levels, d^2 (times s^2), the kernel's tail (its program as a function of d^2) and the tile's
 # product with the operand, added into the block's result.
 #
-# The rule (_fused_numbers), per product: the grid moves a difference by at most rho = sqrt(D) |s| 2^(e - 30), so d^2
-# by 2 d rho + rho^2, and the levels' sum and s^2 round d^2 by (G + 2 n + 2) u (u = eps / 2, G = 7 levels, n
-# steps in s), where the direct sum's bound is (D + n + 1) u d^2. K moves by |tail'| times that, and lambda
-# bounds |tail' / tail| (taken in float64 at d^2 from 0 to 64). The fused form runs where, for every d, its bound
-# is within the contract (16 eps of K plus 4x the direct sum's): lambda rho^2 (1 + 1 / kappa) <= 16 eps, with
-# kappa = (4 (D + n + 1) - (G + 2 n + 2)) u. Elsewhere (points past about 500 lengthscales from the origin, say)
-# today's form runs, as it does where the columns' digits would take more than half of max_memory_mb.
-# Derivatives are today's form's: the fused form gives values only (a custom_jvp).
+# The rule (_fused_numbers), per product and c: the grid moves a difference by at most rho = sqrt(D) |s|
+# 2^(e - 8 c + 2), so d^2 by 2 d rho + rho^2, and the levels' sum and s^2 round d^2 by (G + 2 n + 2) u (u = eps / 2,
+# G = 2 c - 1 levels, n steps in s), where the direct sum's bound is (D + n + 1) u d^2. K moves by |tail'| times
+# that, and lambda bounds |tail' / tail| (taken in float64 at d^2 from 0 to 64). The rule vouches where, for every
+# d, this bound is within the contract (16 eps of K plus 4x the direct sum's): lambda rho^2 (1 + 1 / kappa) <=
+# 16 eps, with kappa = (4 (D + n + 1) - (G + 2 n + 2)) u. A product takes the fewest digits vouched for (RBF: 3
+# where 2^e is within about 4 lengthscales, 4 within about 500). Elsewhere today's form runs, as it does where the
+# columns' digits would take more than half of max_memory_mb. Derivatives are today's form's: the fused form
+# gives values only (a custom_jvp).
 
-DIGITS = 4  # signed 8-bit digits per coordinate
-FUSED_TILE = (256, 1024)  # rows and columns of K per step of the Pallas kernel (rows: a multiple of 32)
+DIGIT_COUNTS = (3, 4)  # signed 8-bit digits per coordinate: the fewest the rule vouches for
+FUSED_TILE = (512, 1024)  # rows and columns of K per step of the Pallas kernel (rows: a multiple of 32)
 FUSED_VMEM_BYTES = 100 * 2**20  # the kernel's VMEM (of a v5e core's 128 MiB); Mosaic's default 16 MiB is too small
 _BF16_FOLDED = 250  # digit columns per exact bf16 product with the 6 norm columns folded in: 2^16 each, < 2^24
 _BF16_PLAIN = 256  # digit columns per exact bf16 product without them
@@ -1725,17 +1727,18 @@ class _Chunk(NamedTuple):
     plain: int  # its index among the unfolded chunks' norms, or -1
 
 
-def _levels():
+def _levels(digits):
     """For each level l, the digit pairs (i, j) with i + j = l."""
-    return [[(i, level - i) for i in range(DIGITS) if 0 <= level - i < DIGITS] for level in range(2 * DIGITS - 1)]
+    return [[(i, level - i) for i in range(digits) if 0 <= level - i < digits] for level in range(2 * digits - 1)]
 
 
-def _fused_chunks(dim):
-    """The exact products of a block on ``dim`` features: the variant ("bf16" or "int8") and its chunks."""
+def _fused_chunks(dim, digits):
+    """The exact products of a block on ``dim`` features of ``digits`` digits: the variant ("bf16" or "int8")
+    and its chunks, by level."""
     variant = "int8" if dim >= FUSED_INT8_FEATURES_MIN else "bf16"
     passes = lambda columns: -(-columns // 128)  # noqa: E731
     pieces = []
-    for level, pairs in enumerate(_levels()):
+    for level, pairs in enumerate(_levels(digits)):
         columns = [(i, j, d) for i, j in pairs for d in range(dim)]
         if variant == "int8":  # exact below 2^31: one product per level up to D = 8191
             sizes, fold = [len(columns)], False
@@ -1766,12 +1769,12 @@ def _in_pieces(total, most):
     return [most] * (total // most) + [total % most] * bool(total % most)
 
 
-def _digits(points, exponent):
-    """Float32 points [n, D] on the grid 2^(exponent - 30): [DIGITS, n, D] int32 digits in [-128, 127], top first.
-    ``ldexp`` scales exactly, and |r| <= 2^30 while every |coordinate| <= 2^exponent."""
-    r = jnp.round(jnp.ldexp(points, 30 - exponent)).astype(jnp.int32)
+def _digits(points, exponent, count):
+    """Float32 points [n, D] on the grid 2^(exponent - 8 count + 2): [count, n, D] int32 digits in [-128, 127],
+    top first. ``ldexp`` scales exactly, and |r| <= 2^(8 count - 2) while every |coordinate| <= 2^exponent."""
+    r = jnp.round(jnp.ldexp(points, 8 * count - 2 - exponent)).astype(jnp.int32)
     digits = []
-    for _ in range(DIGITS):
+    for _ in range(count):
         low = ((r + 128) & 255) - 128  # r = 256 q + low
         digits.append(low)
         r = (r - low) >> 8
@@ -1806,7 +1809,7 @@ def _tile_squared_distances(rows, row_norms, cols, col_norms, scales, chunks, va
     """d^2 for a tile of pairs, exactly on the grid, then times each level's weight (``scales[l]``, holding s^2
     and the grid step): the kernel's arithmetic, on arrays or on Pallas refs alike. rows [tm, W] and cols [W, tn]
     are packed digits (_packed); the norms are the unfolded chunks'."""
-    levels = 2 * DIGITS - 1
+    levels = chunks[-1].level + 1
     exact_below = 2**31 if variant == "int8" else 2**24
     accumulate = jnp.int32 if variant == "int8" else jnp.float32
     t, bound = [None] * levels, [0] * levels  # the levels' sums so far, and bounds on their magnitude
@@ -1913,7 +1916,7 @@ def _fused_kernel(tail, chunks, variant, width, *refs):
     """One tile of a block's product: d^2, K by the tail, and K times the operand's tile, added into the
     output's tile (its rows' sums over the columns, on the grid's second axis)."""
     numbers, rows, row_norms, cols, col_norms, *operand, out = refs
-    levels = 2 * DIGITS - 1
+    levels = chunks[-1].level + 1
     d2 = _tile_squared_distances(rows, row_norms, cols, col_norms, numbers, chunks, variant)
     k = _tail_on_tile(tail, [numbers[levels + i] for i in range(len(tail.constvars))], d2).astype(jnp.float32)
 
@@ -1958,17 +1961,17 @@ def _pallas():
     return (pallas, tpu) if hasattr(tpu, "CompilerParams") and hasattr(tpu, "SMEM") else None
 
 
-def _fused_product(rows, cols, operand, numbers, tail, plan):
-    """One block's product by the Pallas kernel: rows [b, D] float32 points, ``cols`` their packed columns and
-    norms, ``operand`` its pieces (_fused_operand), ``numbers`` _fused_numbers'."""
+def _fused_product(rows, cols, operand, numbers, tail, plan, digits):
+    """One block's product by the Pallas kernel, on ``digits`` digits: rows [b, D] float32 points, ``cols``
+    their packed columns and norms, ``operand`` its pieces (_fused_operand), ``numbers`` _fused_numbers'."""
     pl, pltpu = _pallas()
-    (cols, col_norms), (variant, chunks) = cols, _fused_chunks(rows.shape[1])
+    (cols, col_norms), (variant, chunks) = cols, _fused_chunks(rows.shape[1], digits)
     _, exponent, read = numbers
     b, n, width = rows.shape[0], cols.shape[1], operand[0].shape[0] if len(operand) == 1 else operand[0].shape[1] // 3
     tile_rows = min(FUSED_TILE[0], -(-b // 32) * 32)
     tile_cols = min(FUSED_TILE[1], n)
     padded = -(-b // tile_rows) * tile_rows
-    rows, row_norms = _packed(_digits(_padded(rows, padded), exponent), chunks, variant, left=True)
+    rows, row_norms = _packed(_digits(_padded(rows, padded), exponent, digits), chunks, variant, left=True)
     out_width = 128 if width == 1 else 3 * width
     by_row = lambda shape: pl.BlockSpec(shape, lambda i, j: (i, 0))  # noqa: E731
     by_col = lambda shape: pl.BlockSpec(shape, lambda i, j: (0, j))  # noqa: E731
@@ -2059,13 +2062,14 @@ def _sensitivity(tail):
         return jax.lax.convert_element_type(worst, jnp.float32)
 
 
-def _fused_numbers(reach, fusion, dim):
-    """For points within ``reach`` of the origin: whether the rule (see this section's head) vouches; e, of the
-    grid 2^(e - 30); and what the kernel reads from SMEM, the levels' weights and the tail's constants."""
+def _fused_numbers(reach, fusion, dim, digits):
+    """For points within ``reach`` of the origin, on ``digits`` digits: whether the rule (see this section's
+    head) vouches; e, of the grid 2^(e - 8 digits + 2); and what the kernel reads from SMEM, the levels' weights
+    and the tail's constants."""
     step, steps, tail, _, consts = fusion
-    eps, levels = float(jnp.finfo(jnp.float32).eps), 2 * DIGITS - 1
+    eps, levels = float(jnp.finfo(jnp.float32).eps), 2 * digits - 1
     exponent = jnp.frexp(reach)[1]  # reach = m 2^e, m in [0.5, 1)
-    grid = jnp.abs(step) * jnp.ldexp(jnp.float32(1.0), exponent - 30)  # the grid's step in d's units
+    grid = jnp.abs(step) * jnp.ldexp(jnp.float32(1.0), exponent - 8 * digits + 2)  # the grid's step in d's units
     rho = math.sqrt(dim) * grid
     kappa = (4 * (dim + steps + 1) - (levels + 2 * steps + 2)) * eps / 2
     vouched = (_sensitivity(tail) * rho * rho * (1 + 1 / kappa) <= 16 * eps) & (grid * grid >= 2.0**-100)
@@ -2079,9 +2083,9 @@ def _fused_rows_times(kernel, x1, x2, rhs, transposed, plan, rows_times, budget)
     """The engine's ``rows_times`` by the fused form where this section's rule vouches for the points, else by
     ``rows_times`` (today's form, whose derivatives both use); ``rows_times`` itself where the fused form does not
     take the product: an operand wider than FUSED_WIDTH_MAX, or the columns' digits over half the ``budget``."""
-    n, width = x2.shape[0], rhs.shape[1]
-    variant, chunks = _fused_chunks(x1.shape[1])
-    digit_bytes = (chunks[-1].offset + chunks[-1].padded) * n * (2 if variant == "bf16" else 1)
+    n, width, dim = x2.shape[0], rhs.shape[1], x1.shape[1]
+    packings = [_fused_chunks(dim, digits) for digits in DIGIT_COUNTS]
+    digit_bytes = sum((c[-1].offset + c[-1].padded) * n * (2 if variant == "bf16" else 1) for variant, c in packings)
     if rhs.dtype != jnp.float32 or not (0 < width <= FUSED_WIDTH_MAX and n and x1.shape[0]) or digit_bytes > budget / 2:
         return rows_times
     example = (x2[0], x1[0]) if transposed else (x1[0], x2[0])
@@ -2091,16 +2095,19 @@ def _fused_rows_times(kernel, x1, x2, rhs, transposed, plan, rows_times, budget)
     if fusion is None:
         return rows_times
     reach = jax.lax.stop_gradient(jnp.maximum(jnp.max(jnp.abs(x1)), jnp.max(jnp.abs(x2))))
-    numbers = _fused_numbers(reach, fusion, x1.shape[1])
-    _, exponent, _ = numbers
+    numbers = tuple(_fused_numbers(reach, fusion, dim, digits) for digits in DIGIT_COUNTS)
     tile_cols = min(FUSED_TILE[1], -(-n // 128) * 128)
     columns = -(-n // tile_cols) * tile_cols
-    cols, col_norms = _packed(_digits(jax.lax.stop_gradient(_padded(x2, columns)), exponent), chunks, variant, False)
-    fused = functools.partial(_fused_product, tail=fusion[3], plan=plan)
+    points = jax.lax.stop_gradient(_padded(x2, columns))
+    packed = []
+    for digits, (variant, chunks), (_, exponent, _) in zip(DIGIT_COUNTS, packings, numbers, strict=True):
+        cols, col_norms = _packed(_digits(points, exponent, digits), chunks, variant, False)
+        packed.append((cols, col_norms.T))
+    fused = tuple(functools.partial(_fused_product, tail=fusion[3], plan=plan, digits=d) for d in DIGIT_COUNTS)
     fallback = lambda rows, cols, rhs, *consts: _contract(  # noqa: E731
         _block(lambda x, y: pair(x, y, *consts), rows, cols, transposed, _without_fused(plan)), rhs, plan
     )
-    given = (cols, col_norms.T), _fused_operand(rhs, columns), numbers
+    given = tuple(packed), _fused_operand(rhs, columns), numbers
     return lambda rows: _fused_or_fallback(fused, fallback, given, rows, x2, rhs, *consts)
 
 
@@ -2113,10 +2120,12 @@ def _without_fused(plan):
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
 def _fused_or_fallback(fused, fallback, given, rows, cols, rhs, *consts):
-    """The block's product by ``fused`` where ``given``'s numbers vouch for it, else by ``fallback``."""
+    """The block's product by the first of ``fused`` (by digit count) whose numbers in ``given`` vouch for it,
+    else by ``fallback``."""
     packed, operand, numbers = given
-    on_grid = lambda: fused(rows, packed, operand, numbers)  # noqa: E731
-    return jax.lax.cond(numbers[0], on_grid, lambda: fallback(rows, cols, rhs, *consts))
+    on_grids = [functools.partial(f, rows, p, operand, n) for f, p, n in zip(fused, packed, numbers, strict=True)]
+    first = jnp.argmax(jnp.stack([*(vouched for vouched, _, _ in numbers), jnp.bool_(True)]))
+    return jax.lax.switch(first, [*on_grids, lambda: fallback(rows, cols, rhs, *consts)])
 
 
 @_fused_or_fallback.defjvp

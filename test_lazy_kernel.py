@@ -1981,37 +1981,39 @@ FUSED_ON_CPU = pytest.mark.skipif(lazy_kernel._pallas() is None or JAX_VERSION <
 
 
 def integers_of(digits):
-    """The integers [n, D] (Python ints) that ``digits`` [DIGITS, n, D] hold, top digit first."""
-    return sum(digits[i].astype(object) * 256 ** (lazy_kernel.DIGITS - 1 - i) for i in range(lazy_kernel.DIGITS))
+    """The integers [n, D] (Python ints) that ``digits`` [count, n, D] hold, top digit first."""
+    return sum(digits[i].astype(object) * 256 ** (len(digits) - 1 - i) for i in range(len(digits)))
 
 
 @FUSED_ON_CPU
 @settings(max_examples=8)
 @given(
     dim=st.sampled_from([2, 16, 62, 63, 127, 128, 300]),  # bf16: 62 one product per level, 63 chunks; int8 from 128
+    count=st.sampled_from(lazy_kernel.DIGIT_COUNTS),
     extreme=st.sampled_from(["random", "-128 and 127", "cancelling"]),
     seed=st.integers(0, 2**16),
 )
-@example(dim=127, extreme="cancelling", seed=0)  # bf16: a level's sum past 2^24, to be carried
-@example(dim=300, extreme="cancelling", seed=0)  # int8
-def test_fused_squared_distances_are_exact(dim, extreme, seed):
-    """The kernel's arithmetic on plain arrays (no Pallas): for points given as digits, d^2 = |a - b|^2 of their
-    integers, exactly up to the last float32 additions of non-negative terms; identical points give 0. In
-    "cancelling", points whose digits differ by 1, -255, -255, -255 in each feature (the last random in three):
-    levels' sums past 2^24, and all but a little cancels."""
+@example(dim=127, count=4, extreme="cancelling", seed=0)  # bf16: a level's sum past 2^24, to be carried
+@example(dim=127, count=3, extreme="cancelling", seed=0)
+@example(dim=300, count=4, extreme="cancelling", seed=0)  # int8
+def test_fused_squared_distances_are_exact(dim, count, extreme, seed):
+    """The kernel's arithmetic on plain arrays (no Pallas): for points given as ``count`` digits, d^2 = |a - b|^2
+    of their integers, exactly up to the last float32 additions of non-negative terms; identical points give 0.
+    In "cancelling", points whose digits differ by 1, -255, -255 (, -255) in each feature (the last random in
+    three): levels' sums past 2^24, and all but a little cancels."""
     rng = np.random.default_rng(seed)
-    digits = rng.integers(-128, 128, size=(lazy_kernel.DIGITS, 12, dim))
+    digits = rng.integers(-128, 128, size=(count, 12, dim))
     if extreme == "-128 and 127":
         digits[:, 0], digits[:, 1] = -128, 127
     if extreme == "cancelling":
-        digits[:, :6], digits[:, 6:] = np.array([1, -128, -128, -128])[:, None, None], 127
-        digits[0, 6:], digits[3, :6, :3] = 0, rng.integers(-128, 128, size=(6, min(dim, 3)))
+        digits[:, :6], digits[:, 6:] = np.array([1] + [-128] * (count - 1))[:, None, None], 127
+        digits[0, 6:], digits[-1, :6, :3] = 0, rng.integers(-128, 128, size=(6, min(dim, 3)))
     digits[:, 2] = digits[:, 3]  # identical points
-    variant, chunks = lazy_kernel._fused_chunks(dim)
+    variant, chunks = lazy_kernel._fused_chunks(dim, count)
     assert variant == ("int8" if dim >= lazy_kernel.FUSED_INT8_FEATURES_MIN else "bf16")
     rows = lazy_kernel._packed(jnp.asarray(digits, jnp.int32), chunks, variant, left=True)
     cols = lazy_kernel._packed(jnp.asarray(digits, jnp.int32), chunks, variant, left=False)
-    levels = 2 * lazy_kernel.DIGITS - 1
+    levels = 2 * count - 1
     weights = jnp.asarray([256.0 ** (levels - 1 - level) for level in range(levels)], jnp.float32)
     got = np.asarray(lazy_kernel._tile_squared_distances(*rows, cols[0], cols[1].T, weights, chunks, variant))
     r = integers_of(digits)
@@ -2021,19 +2023,22 @@ def test_fused_squared_distances_are_exact(dim, extreme, seed):
 
 
 @FUSED_ON_CPU
-@given(scale=st.floats(1e-25, 1e25), seed=st.integers(0, 2**16))
-def test_points_on_the_grid_move_by_at_most_half_its_step(scale, seed):
-    """Float32 points as DIGITS signed 8-bit digits on the grid 2^(e - 30), 2^e >= every |coordinate|: each moves
-    by at most 2^(e - 31), digits stay in [-128, 127], and a coordinate within a factor 64 of the largest is exact."""
+@given(scale=st.floats(1e-25, 1e25), count=st.sampled_from(lazy_kernel.DIGIT_COUNTS), seed=st.integers(0, 2**16))
+def test_points_on_the_grid_move_by_at_most_half_its_step(scale, count, seed):
+    """Float32 points as ``count`` signed 8-bit digits on the grid 2^(e - 8 count + 2), 2^e >= every |coordinate|:
+    each moves by at most half the step, digits stay in [-128, 127], and a coordinate whose ulp is at least the
+    step is exact (with 4 digits, every one within a factor 64 of the largest)."""
     x = np.asarray(np.random.default_rng(seed).normal(size=(20, 5)) * scale, np.float32)
     x[0, 0] = -np.abs(x).max()
     exponent = int(jnp.frexp(jnp.max(jnp.abs(jnp.asarray(x))))[1])
-    digits = np.asarray(lazy_kernel._digits(jnp.asarray(x), exponent))
-    assert digits.min() >= -128 and digits.max() <= 127
-    on_grid = np.asarray(integers_of(digits), np.float64) * 2.0 ** (exponent - 30)
-    assert np.all(np.abs(on_grid - x) <= 2.0 ** (exponent - 31))
-    large = np.abs(x) >= 2.0 ** (exponent - 6)
-    np.testing.assert_array_equal(on_grid[large], x[large])
+    digits = np.asarray(lazy_kernel._digits(jnp.asarray(x), exponent, count))
+    assert digits.shape[0] == count and digits.min() >= -128 and digits.max() <= 127
+    step = 2.0 ** (exponent - 8 * count + 2)
+    on_grid = np.asarray(integers_of(digits), np.float64) * step
+    assert np.all(np.abs(on_grid - x) <= step / 2)
+    exact = np.spacing(np.abs(x)) >= step
+    assert count == 3 or np.all(exact[np.abs(x) >= 2.0 ** (exponent - 6)])
+    np.testing.assert_array_equal(on_grid[exact], x[exact])
 
 
 def pallas_calls(jaxpr):
@@ -2060,8 +2065,9 @@ def test_fused_kernel_is_one_mosaic_takes(dim, width, monkeypatch):
     def kernels():
         lazy = lambda x, v: LazyKernel(RBF(jnp.float32(2.0), jnp.float32(1.3)), x, x, batch_size=256) @ v  # noqa: E731
         x, v = jnp.ones((512, dim), jnp.float32), jnp.ones((512, width), jnp.float32)
-        (call,) = pallas_calls(jax.make_jaxpr(lazy)(x, v).jaxpr)
-        maps = [str(mapping.index_map_jaxpr) for mapping in call.params["grid_mapping"].block_mappings]
+        calls = pallas_calls(jax.make_jaxpr(lazy)(x, v).jaxpr)
+        assert len(calls) == len(lazy_kernel.DIGIT_COUNTS)
+        maps = [str(m.index_map_jaxpr) for call in calls for m in call.params["grid_mapping"].block_mappings]
         exported = jax.export.export(jax.jit(lambda *a: lazy(*a)), platforms=["tpu"])  # not make_jaxpr's trace
         plan = lazy_kernel.block_plan
         monkeypatch.setattr(lazy_kernel, "block_plan", lambda *a: dataclasses.replace(plan(*a), interpret=False))
@@ -2069,11 +2075,11 @@ def test_fused_kernel_is_one_mosaic_takes(dim, width, monkeypatch):
             assert "tpu_custom_call" in exported(x, v).mlir_module()
         finally:
             monkeypatch.setattr(lazy_kernel, "block_plan", plan)
-        return str(call.params["jaxpr"]), maps
+        return [str(call.params["jaxpr"]) for call in calls], maps
 
     kernel, maps = kernels()
-    assert not any(wide in kernel + "".join(maps) for wide in ("f64", "i64")), maps
-    assert "HIGHEST" not in kernel
+    assert not any(wide in "".join(kernel + maps) for wide in ("f64", "i64")), maps
+    assert "HIGHEST" not in "".join(kernel)
     with x64_switched(False):
         jax.config.update("jax_default_matmul_precision", None)
         try:
@@ -2130,28 +2136,33 @@ def test_which_kernels_the_fused_form_takes(name, backend, monkeypatch):
     assert not fused(make(0.9))
 
 
-def grid_rounded(x, reach):
-    """NumPy float64 points rounded to the fused form's grid for points within ``reach`` of the origin."""
-    step = 2.0 ** (int(np.frexp(np.float32(reach))[1]) - 30)
+def grid_rounded(x, reach, count):
+    """NumPy float64 points rounded to the fused form's grid of ``count`` digits for points within ``reach`` of
+    the origin."""
+    step = 2.0 ** (int(np.frexp(np.float32(reach))[1]) - 8 * count + 2)
     return np.round(np.asarray(x, np.float64) / step) * step
 
 
 @FUSED_ON_CPU
-@pytest.mark.parametrize("dim, width", [(16, 1), (64, 64), (128, 5)])
-def test_fused_products_match_numpy(dim, width, monkeypatch):
-    """K @ X and X @ K by the fused form (Pallas interpreted here) against NumPy float64 on the points rounded to
-    its grid, 100 lengthscales from the origin (where a float32 GEMM's d^2 errs by 1e-3): within 16 eps of the
-    scale (|K| |X|); ragged sizes (neither a multiple of the tiles), 1 to 64 columns, bf16 and int8 digits, under
-    jit and vmap."""
+@pytest.mark.parametrize("dim, width, count", [(16, 1, 3), (16, 1, 4), (64, 64, 4), (128, 5, 3), (128, 5, 4)])
+def test_fused_products_match_numpy(dim, width, count, monkeypatch):
+    """K @ X and X @ K by the fused form of ``count`` digits (Pallas interpreted here) against NumPy float64 on
+    the points rounded to its grid: with 4, 100 lengthscales from the origin (where a float32 GEMM's d^2 errs by
+    1e-3), with 3, N(0, 1); within 16 eps of the scale (|K| |X|); ragged sizes (neither a multiple of the tiles),
+    1 to 64 columns, bf16 and int8 digits, under jit and vmap."""
     monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
+    monkeypatch.setattr(lazy_kernel, "DIGIT_COUNTS", (count,))
     rng = np.random.default_rng(dim + width)
     ls = float(np.float32(np.sqrt(dim / 3)))
-    x1, x2 = (np.asarray(rng.normal(size=(n, dim)) + 100 * ls, np.float32) for n in (70, 300))
-    x, y = (grid_rounded(p, max(np.abs(x1).max(), np.abs(x2).max())) / ls for p in (x1, x2))
+    x1, x2 = (np.asarray(rng.normal(size=(n, dim)) + (count == 4) * 100 * ls, np.float32) for n in (70, 300))
+    reach = max(np.abs(x1).max(), np.abs(x2).max())
+    x, y = (grid_rounded(p, reach, count) / ls for p in (x1, x2))
     k = 1.3 * np.exp(-0.5 * ((x[:, None] - y[None]) ** 2).sum(-1))
     right, left = (np.asarray(rng.uniform(-0.25, 1, size=shape), np.float32) for shape in ((300, width), (width, 70)))
-    lazy = LazyKernel(RBF(jnp.float32(ls), jnp.float32(1.3)), jnp.asarray(x1), jnp.asarray(x2), batch_size=40)
+    kernel = RBF(jnp.float32(ls), jnp.float32(1.3))
+    lazy = LazyKernel(kernel, jnp.asarray(x1), jnp.asarray(x2), batch_size=40)
     assert "pallas_call" in str(jax.make_jaxpr(lambda o: lazy @ o)(right))
+    assert fused_rule(kernel, jnp.asarray(x1), reach)[1] == {count: True}
     eps = float(jnp.finfo(jnp.float32).eps)
     got = np.asarray(jax.jit(lambda o: lazy @ o)(right), np.float64)
     assert np.max(np.abs(got - k @ right) / (k @ np.abs(right))) <= 16 * eps
@@ -2159,28 +2170,35 @@ def test_fused_products_match_numpy(dim, width, monkeypatch):
     assert np.max(np.abs(got - left @ k) / (np.abs(left) @ k)) <= 16 * eps
 
 
+def fused_rule(kernel, points, reach=None):
+    """The fused form's reading of ``kernel`` on ``points`` (within ``reach`` of the origin): its _fusion, and
+    whether the rule vouches, by digit count."""
+    dim = points.shape[1]
+    rows, cols = jnp.broadcast_to(points[:1], (2, dim)), jnp.broadcast_to(points[:1], (3, dim))
+    fusion = lazy_kernel._fusion(kernel, rows, cols, False, lazy_kernel.block_plan(RBF(), dim))
+    reach = jnp.max(jnp.abs(points)) if reach is None else jnp.float32(reach)
+    counts = lazy_kernel.DIGIT_COUNTS
+    return fusion, {c: bool(lazy_kernel._fused_numbers(reach, fusion, dim, c)[0]) for c in counts}
+
+
 @FUSED_ON_CPU
 @pytest.mark.parametrize("name", sorted(FUSED_KERNELS))
 def test_fused_rule_vouches_where_the_grid_keeps_the_contract(name, monkeypatch):
-    """The rule: lambda = |tail' / tail| taken at d^2 from 0 to 64 (RBF: 1/2; Matern 5/2: 5/6 at 0); points within
-    a few hundred lengthscales of the origin are vouched for, points 1000 lengthscales away are not, and there the
-    product is today's form's; Matern 1/2 (a square root of d^2) never."""
+    """The rule: lambda = |tail' / tail| taken at d^2 from 0 to 64 (RBF: 1/2; Matern 5/2: 5/6 at 0); 3 digits for
+    points within a lengthscale or two of the origin (not within 4), 4 within a few hundred, neither 1000 away
+    (there the product is today's form's); Matern 1/2 (a square root of d^2) never."""
     monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
     make, _ = FUSED_KERNELS[name]
-    dim, plan = 16, lazy_kernel.block_plan(RBF(), 16)
-    x = jnp.asarray(np.random.default_rng(0).normal(size=(50, dim)), jnp.float32)
-
-    def vouched(kernel, points):
-        rows, cols = jnp.broadcast_to(points[:1], (2, dim)), jnp.broadcast_to(points[:1], (3, dim))
-        fusion = lazy_kernel._fusion(kernel, rows, cols, False, plan)
-        return fusion, bool(lazy_kernel._fused_numbers(jnp.max(jnp.abs(points)), fusion, dim)[0])
-
-    fusion, near = vouched(make(1.0), x + 100)
+    x = jnp.asarray(np.random.default_rng(0).uniform(-1, 1, size=(50, 16)), jnp.float32)
+    fusion, near = fused_rule(make(1.0), x + 100)
     sensitivity = float(lazy_kernel._sensitivity(fusion[2]))
     assert sensitivity == pytest.approx({"gpjax-Matern32": 1.5, "gpjax-Matern52": 5 / 6}.get(name, 0.5), rel=1e-3)
-    assert near and not vouched(make(1.0), x + 1000)[1]
+    assert near == {3: False, 4: True}
+    assert fused_rule(make(1.0), x)[1] == {3: True, 4: True}
+    assert fused_rule(make(1.0), 4 * x)[1] == {3: False, 4: True}
+    assert fused_rule(make(1.0), x + 1000)[1] == {3: False, 4: False}
     matern12 = lambda x, y: jnp.exp(-jnp.sqrt(jnp.maximum(jnp.sum((x - y) ** 2), 1e-36)))  # noqa: E731
-    assert not vouched(matern12, x)[1]
+    assert fused_rule(matern12, x)[1] == {3: False, 4: False}
     far = LazyKernel(make(1.0), x + 1000, x, batch_size=20)
     v = jnp.linspace(-1, 1, 50, dtype=jnp.float32)
     fused = jax.jit(lambda v: far @ v)(v)
