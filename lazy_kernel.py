@@ -1770,13 +1770,13 @@ def _in_pieces(total, most):
 
 
 def _digits(points, exponent, count):
-    """Float32 points [n, D] on the grid 2^(exponent - 8 count + 2): [count, n, D] int32 digits in [-128, 127],
-    top first. ``ldexp`` scales exactly, and |r| <= 2^(8 count - 2) while every |coordinate| <= 2^exponent."""
+    """Float32 points [n, D] on the grid 2^(exponent - 8 count + 2): [count, n, D] int8 digits, top first.
+    ``ldexp`` scales exactly, and |r| <= 2^(8 count - 2) while every |coordinate| <= 2^exponent."""
     r = jnp.round(jnp.ldexp(points, 8 * count - 2 - exponent)).astype(jnp.int32)
     digits = []
     for _ in range(count):
         low = ((r + 128) & 255) - 128  # r = 256 q + low
-        digits.append(low)
+        digits.append(low.astype(jnp.int8))
         r = (r - low) >> 8
     return jnp.stack(digits[::-1])
 
@@ -1784,23 +1784,24 @@ def _digits(points, exponent, count):
 def _packed(digits, chunks, variant, left):
     """One side's operand of the products: rows [n, W] (left) or columns [W, n] (right), bf16 or int8; and the
     exact norms of the chunks without folded ones, [n, U] (float32; int32 for int8, one per level)."""
-    n = digits.shape[1]
+    n, kind = digits.shape[1], jnp.bfloat16 if variant == "bf16" else jnp.int8  # built in it: exact, and small
     blocks, norms = [], []
     for chunk in chunks:
-        part = jnp.concatenate([digits[i if left else j, :, d0:d1] for i, j, d0, d1 in chunk.pairs], 1)
-        norm = sum(jnp.sum(digits[i, :, d0:d1] * digits[j, :, d0:d1], 1, jnp.int32) for i, j, d0, d1 in chunk.pairs)
-        part = part.astype(jnp.float32) * (1.0 if left or variant == "int8" else -2.0)
+        part = jnp.concatenate([digits[i if left else j, :, d0:d1] for i, j, d0, d1 in chunk.pairs], 1).astype(kind)
+        wide = lambda i, d0, d1: digits[i, :, d0:d1].astype(jnp.int32)  # noqa: E731
+        norm = sum(jnp.sum(wide(i, d0, d1) * wide(j, d0, d1), 1, jnp.int32) for i, j, d0, d1 in chunk.pairs)
+        part = part if left or variant == "int8" else part * jnp.bfloat16(-2)
         if chunk.fold:  # the norm as 3 base-256 digits, times 2^16, 2^8 and 1 on the other side
             low = ((norm + 128) & 255) - 128
             middle = ((((norm - low) >> 8) + 128) & 255) - 128
             high = (norm - low - 256 * middle) >> 16
-            mine = jnp.stack([high, middle, low], 1).astype(jnp.float32)
-            powers = jnp.broadcast_to(jnp.asarray([65536.0, 256.0, 1.0], jnp.float32), (n, 3))
+            mine = jnp.stack([high, middle, low], 1).astype(kind)
+            powers = jnp.broadcast_to(jnp.asarray([65536.0, 256.0, 1.0], kind), (n, 3))
             part = jnp.concatenate([part, mine, powers] if left else [part, powers, mine], 1)
         else:
             norms.append(norm)
         blocks.append(jnp.pad(part, ((0, 0), (0, chunk.padded - part.shape[1]))))
-    packed = jnp.concatenate(blocks, 1).astype(jnp.bfloat16 if variant == "bf16" else jnp.int8)
+    packed = jnp.concatenate(blocks, 1)
     norms = jnp.stack(norms, 1) if norms else jnp.zeros((n, 1), jnp.int32)
     return packed if left else packed.T, norms if variant == "int8" else norms.astype(jnp.float32)
 

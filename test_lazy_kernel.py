@@ -2041,6 +2041,21 @@ def test_points_on_the_grid_move_by_at_most_half_its_step(scale, count, seed):
     np.testing.assert_array_equal(on_grid[exact], x[exact])
 
 
+@FUSED_ON_CPU
+def test_fused_column_digits_leave_room_for_blocks(monkeypatch):
+    """Both digit counts' column digits (25 D bytes a point, int8) are built in their own dtype from int8 digits:
+    with a TPU's plan (faked; XLA:CPU's temporaries), N = 2048 and D = 256 within 32 MB keep blocks of many rows.
+    Before, packing held 6x its output (float32 and int32 copies) and one row did not fit; on a TPU v5e, K @ v at
+    N = 65536 and D = 256 then took 98x the GEMM's time, a row per block."""
+    monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
+    zeros = jnp.zeros((2048, 256), jnp.float32)
+    op = LazyKernel(RBF(jnp.float32(1.0), jnp.float32(1.3)), zeros, zeros, max_memory_mb=32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "one row of a block needs ..."
+        measured = op.measure()
+    assert measured.rows >= 64 and measured.peak_mb <= measured.limit_mb, measured
+
+
 def pallas_calls(jaxpr):
     """The pallas_call equations in ``jaxpr`` and the jaxprs inside it."""
     found = []
