@@ -736,10 +736,11 @@ def memory_kernel(name, dim):
 # (kernel, D): every kind, D from 1 to 256; the pair program split (D <= 2), looped (partial-17), by the float64
 # GEMM (16), by GEMM (128)
 ON_ACCELERATORS = pytest.mark.accelerator  # in the accelerator subset
+SLOW = pytest.mark.slow  # deeper cases, deselected unless asked for (python -m pytest -q -m slow; CI runs them)
 MEMORY_CASES = [
     *[("pair", d) for d in (1, 16)],
-    pytest.param("pair", 128, marks=ON_ACCELERATORS),
-    *[pytest.param("partial", d, marks=ON_ACCELERATORS) for d in (17, 256)],
+    pytest.param("pair", 128, marks=[ON_ACCELERATORS, SLOW]),
+    *[pytest.param("partial", d, marks=[ON_ACCELERATORS, SLOW]) for d in (17, 256)],
     pytest.param("many", 2, marks=ON_ACCELERATORS),
     pytest.param("rbf", 2, marks=ON_ACCELERATORS),
     pytest.param("gpjax-rbf", 64, marks=ON_ACCELERATORS),
@@ -1844,10 +1845,10 @@ ACCURACY_CASES = [  # (D, dtype, x64): features written out; looped; by the floa
     *[(dim, jnp.float64, True) for dim in (1, 3)],
     pytest.param(16, jnp.float32, True, marks=ON_ACCELERATORS),
     pytest.param(16, jnp.float32, False, marks=ON_ACCELERATORS),
-    (16, jnp.float64, True),
+    pytest.param(16, jnp.float64, True, marks=SLOW),
     pytest.param(64, jnp.float32, True, marks=ON_ACCELERATORS),
-    pytest.param(256, jnp.float32, True, marks=ON_ACCELERATORS),
-    (256, jnp.float64, True),
+    pytest.param(256, jnp.float32, True, marks=[ON_ACCELERATORS, SLOW]),
+    pytest.param(256, jnp.float64, True, marks=SLOW),
 ]
 
 
@@ -1958,7 +1959,7 @@ def assert_as_accurate_as_the_vmap_form(name, data, ls, dtype, x64, weights, fac
 
 ACCELERATOR_ACCURACY_CASES = [  # (D, x64): x64 off only at the GEMM; written out, no float64 step for it to change
     (max(lazy_kernel.ACCELERATOR_FEATURES), True),
-    (lazy_kernel.GEMM_FEATURES_MIN, True),
+    pytest.param(lazy_kernel.GEMM_FEATURES_MIN, True, marks=SLOW),
     (lazy_kernel.GEMM_FEATURES_MIN, False),
 ]
 
@@ -2070,7 +2071,7 @@ def pallas_calls(jaxpr):
 
 
 @FUSED_ON_CPU
-@pytest.mark.parametrize("dim, width", [(16, 1), (16, 16), (128, 4)])
+@pytest.mark.parametrize("dim, width", [(16, 1), pytest.param(16, 16, marks=SLOW), pytest.param(128, 4, marks=SLOW)])
 def test_fused_kernel_is_one_mosaic_takes(dim, width, monkeypatch):
     """What Mosaic compiles is the same with x64 on and a matmul precision set (as this suite has them) as with
     neither: no 64-bit value (Mosaic has none), digits multiplied at DEFAULT (Mosaic refuses HIGHEST on bf16); and
@@ -2159,7 +2160,10 @@ def grid_rounded(x, reach, count):
 
 
 @FUSED_ON_CPU
-@pytest.mark.parametrize("dim, width, count", [(16, 1, 3), (16, 1, 4), (64, 64, 4), (128, 5, 3), (128, 5, 4)])
+@pytest.mark.parametrize(
+    "dim, width, count",
+    [(16, 1, 3), (128, 5, 4), *(pytest.param(*c, marks=SLOW) for c in [(16, 1, 4), (64, 64, 4), (128, 5, 3)])],
+)
 def test_fused_products_match_numpy(dim, width, count, monkeypatch):
     """K @ X and X @ K by the fused form of ``count`` digits (Pallas interpreted here) against NumPy float64 on
     the points rounded to its grid: with 4, 100 lengthscales from the origin (where a float32 GEMM's d^2 errs by
@@ -2225,8 +2229,9 @@ def test_fused_rule_vouches_where_the_grid_keeps_the_contract(name, monkeypatch)
 @ON_ACCELERATORS
 @pytest.mark.parametrize(
     "name, dim",
-    [(name, 16) for name in ("rbf-module", "rbf-pair", "gpjax-RBF", "gpjax-Matern52", "matern12-pair")]
-    + [("rbf-module", 128), ("gpjax-Matern52", 128)],  # int8 digits
+    [("rbf-module", 16), ("gpjax-Matern52", 16)]
+    + [pytest.param(name, 16, marks=SLOW) for name in ("rbf-pair", "gpjax-RBF", "matern12-pair")]
+    + [pytest.param(name, 128, marks=SLOW) for name in ("rbf-module", "gpjax-Matern52")],  # int8 digits
 )
 def test_fused_products_as_accurate_as_the_vmap_form(name, dim, monkeypatch, device):
     """The oracle test of every form (test_as_accurate_as_the_vmap_form) at one scalar lengthscale, where a TPU
