@@ -69,7 +69,7 @@ settings.register_profile(
 )
 settings.register_profile(
     "dev",
-    max_examples=12,
+    max_examples=8,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )

@@ -738,7 +738,8 @@ def memory_kernel(name, dim):
 ON_ACCELERATORS = pytest.mark.accelerator  # in the accelerator subset
 SLOW = pytest.mark.slow  # deeper cases, deselected unless asked for (python -m pytest -q -m slow; CI runs them)
 MEMORY_CASES = [
-    *[("pair", d) for d in (1, 16)],
+    ("pair", 1),
+    pytest.param("pair", 16, marks=SLOW),
     pytest.param("pair", 128, marks=[ON_ACCELERATORS, SLOW]),
     *[pytest.param("partial", d, marks=[ON_ACCELERATORS, SLOW]) for d in (17, 256)],
     pytest.param("many", 2, marks=ON_ACCELERATORS),
@@ -1648,7 +1649,7 @@ def kernel_program(drawn):
 GENERATED_PROGRAMS = {}  # a program's text -> its jitted checks: hypothesis draws some programs more than once
 
 
-@settings(max_examples=200 if os.environ.get("CI") else 40)
+@settings(max_examples=200 if os.environ.get("CI") else 16)
 @given(
     program=kernel_programs(),
     dim=st.sampled_from([*range(21), *WIDE_FEATURES]),
@@ -1842,7 +1843,7 @@ def x64_switched(on):
 ACCURACY_CASES = [  # (D, dtype, x64): features written out; looped; by the float64 GEMM (float32) or looped; by GEMM
     (1, jnp.float32, True),
     pytest.param(3, jnp.float32, True, marks=ON_ACCELERATORS),
-    *[(dim, jnp.float64, True) for dim in (1, 3)],
+    *[pytest.param(dim, jnp.float64, True, marks=SLOW) for dim in (1, 3)],
     pytest.param(16, jnp.float32, True, marks=ON_ACCELERATORS),
     pytest.param(16, jnp.float32, False, marks=ON_ACCELERATORS),
     pytest.param(16, jnp.float64, True, marks=SLOW),
@@ -2162,7 +2163,7 @@ def grid_rounded(x, reach, count):
 @FUSED_ON_CPU
 @pytest.mark.parametrize(
     "dim, width, count",
-    [(16, 1, 3), (128, 5, 4), *(pytest.param(*c, marks=SLOW) for c in [(16, 1, 4), (64, 64, 4), (128, 5, 3)])],
+    [(16, 1, 3), *(pytest.param(*c, marks=SLOW) for c in [(16, 1, 4), (64, 64, 4), (128, 5, 3), (128, 5, 4)])],
 )
 def test_fused_products_match_numpy(dim, width, count, monkeypatch):
     """K @ X and X @ K by the fused form of ``count`` digits (Pallas interpreted here) against NumPy float64 on
