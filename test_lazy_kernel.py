@@ -34,6 +34,14 @@ from lazy_kernel import RBF, LazyKernel, kernel_block
 
 JAX_VERSION = tuple(int(part) for part in jax.__version__.split(".")[:2])
 
+SLOW = pytest.mark.slow  # deeper cases, deselected unless asked for (python -m pytest -q -m slow; CI runs them)
+
+
+def every_other_slow(cases):
+    """``cases`` for a parametrize: every other one marked SLOW (CI runs them all)."""
+    return [case if i % 2 == 0 else pytest.param(case, marks=SLOW) for i, case in enumerate(cases)]
+
+
 # -- test kernels and their NumPy twins ---------------------------------------
 
 
@@ -207,7 +215,7 @@ def test_products_match_dense(
 
 
 @pytest.mark.parametrize("kernel_name", sorted(KERNELS))
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize("dtype", every_other_slow([jnp.float32, jnp.float64]))
 def test_transpose_dense_and_diagonal(kernel_name, dtype, device, layers):
     rng = np.random.default_rng(0)
     kernel, kernel_np = KERNELS[kernel_name]
@@ -533,7 +541,7 @@ def skewed_dense_jnp(x1, x2):
 
 @pytest.mark.parametrize("checkpoint", [False, True])
 @pytest.mark.parametrize("side", ["right", "left"])
-@pytest.mark.parametrize("pair_function", [False, True])
+@pytest.mark.parametrize("pair_function", every_other_slow([False, True]))
 def test_gradients_match_dense(checkpoint, side, pair_function, layers):
     rng = np.random.default_rng(6)
     x1, x2 = points(rng, 11, 3, jnp.float64), points(rng, 7, 3, jnp.float64)
@@ -736,7 +744,6 @@ def memory_kernel(name, dim):
 # (kernel, D): every kind, D from 1 to 256; the pair program split (D <= 2), looped (partial-17), by the float64
 # GEMM (16), by GEMM (128)
 ON_ACCELERATORS = pytest.mark.accelerator  # in the accelerator subset
-SLOW = pytest.mark.slow  # deeper cases, deselected unless asked for (python -m pytest -q -m slow; CI runs them)
 MEMORY_CASES = [
     ("pair", 1),
     pytest.param("pair", 16, marks=SLOW),
@@ -1219,7 +1226,7 @@ def test_the_zoo_is_large_and_takes_both_feature_paths():
     assert len(ZOO) >= 60 and written_out >= 15 and sum(dim > lazy_kernel.SPLIT_FEATURES_MAX for dim in dims) >= 40
 
 
-@pytest.mark.parametrize("name", sorted(ZOO))
+@pytest.mark.parametrize("name", every_other_slow(sorted(ZOO)))
 def test_zoo_blocks_and_products_match_the_vmap_form(name):
     """The block, and both products on the same blocks, against the vmap form: one jitted program each."""
     make, dim, dtype, params = ZOO[name]
@@ -1245,7 +1252,7 @@ def test_zoo_blocks_and_products_match_the_vmap_form(name):
 
 
 @pytest.mark.parametrize(
-    "name", sorted(n for n, (_, dim, _, _) in ZOO.items() if dim in lazy_kernel.ACCELERATOR_FEATURES)
+    "name", every_other_slow(sorted(n for n, (_, dim, _, _) in ZOO.items() if dim in lazy_kernel.ACCELERATOR_FEATURES))
 )
 def test_accelerators_pair_program_matches_the_vmap_form(name, monkeypatch):
     """An accelerator's blocks on ACCELERATOR_FEATURES features, run here: the pair program with every feature
@@ -1334,7 +1341,7 @@ DERIVATIVE_ZOO = [
 ]
 
 
-@pytest.mark.parametrize("name", DERIVATIVE_ZOO)
+@pytest.mark.parametrize("name", every_other_slow(DERIVATIVE_ZOO))
 def test_zoo_derivatives_match_the_vmap_form(name):
     """Gradients w.r.t. points, operand and hyperparameters (traced, closed over), and a jvp, under jit."""
     make, dim, dtype, params = ZOO[name]
