@@ -2063,21 +2063,25 @@ def _sensitivity(tail):
         return jax.lax.convert_element_type(worst, jnp.float32)
 
 
-def _fused_numbers(reach, fusion, dim, digits):
-    """For points within ``reach`` of the origin, on ``digits`` digits: whether the rule (see this section's
-    head) vouches; e, of the grid 2^(e - 8 digits + 2); and what the kernel reads from SMEM, the levels' weights
-    and the tail's constants."""
+def _fused_numbers(reach, fusion, dim):
+    """For points within ``reach`` of the origin, one triple per digit count c of DIGIT_COUNTS: whether the rule
+    (see this section's head) vouches; e, of the grid 2^(e - 8 c + 2); and what the kernel reads from SMEM, the
+    levels' weights and the tail's constants."""
     step, steps, tail, _, consts = fusion
-    eps, levels = float(jnp.finfo(jnp.float32).eps), 2 * digits - 1
+    eps, sensitivity = float(jnp.finfo(jnp.float32).eps), _sensitivity(tail)
     exponent = jnp.frexp(reach)[1]  # reach = m 2^e, m in [0.5, 1)
-    grid = jnp.abs(step) * jnp.ldexp(jnp.float32(1.0), exponent - 8 * digits + 2)  # the grid's step in d's units
-    rho = math.sqrt(dim) * grid
-    kappa = (4 * (dim + steps + 1) - (levels + 2 * steps + 2)) * eps / 2
-    vouched = (_sensitivity(tail) * rho * rho * (1 + 1 / kappa) <= 16 * eps) & (grid * grid >= 2.0**-100)
-    vouched &= jnp.isfinite(reach) & (jnp.abs(exponent) <= 100)
-    weights = grid * grid * 256.0 ** jnp.arange(levels - 1, -1, -1, dtype=jnp.float32)
-    read = jnp.concatenate([weights, jnp.stack([*consts, jnp.float32(0)])])
-    return jax.lax.stop_gradient((vouched, exponent, read))
+    numbers = []
+    for digits in DIGIT_COUNTS:
+        levels = 2 * digits - 1
+        grid = jnp.abs(step) * jnp.ldexp(jnp.float32(1.0), exponent - 8 * digits + 2)  # the grid's step, d's units
+        rho = math.sqrt(dim) * grid
+        kappa = (4 * (dim + steps + 1) - (levels + 2 * steps + 2)) * eps / 2
+        vouched = (sensitivity * rho * rho * (1 + 1 / kappa) <= 16 * eps) & (grid * grid >= 2.0**-100)
+        vouched &= jnp.isfinite(reach) & (jnp.abs(exponent) <= 100)
+        weights = grid * grid * 256.0 ** jnp.arange(levels - 1, -1, -1, dtype=jnp.float32)
+        read = jnp.concatenate([weights, jnp.stack([*consts, jnp.float32(0)])])
+        numbers.append((vouched, exponent, read))
+    return jax.lax.stop_gradient(tuple(numbers))
 
 
 def _fused_rows_times(kernel, x1, x2, rhs, transposed, plan, rows_times, budget):
@@ -2096,7 +2100,7 @@ def _fused_rows_times(kernel, x1, x2, rhs, transposed, plan, rows_times, budget)
     if fusion is None:
         return rows_times
     reach = jax.lax.stop_gradient(jnp.maximum(jnp.max(jnp.abs(x1)), jnp.max(jnp.abs(x2))))
-    numbers = tuple(_fused_numbers(reach, fusion, dim, digits) for digits in DIGIT_COUNTS)
+    numbers = _fused_numbers(reach, fusion, dim)
     tile_cols = min(FUSED_TILE[1], -(-n // 128) * 128)
     columns = -(-n // tile_cols) * tile_cols
     points = jax.lax.stop_gradient(_padded(x2, columns))

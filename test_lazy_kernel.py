@@ -2204,8 +2204,8 @@ def fused_rule(kernel, points, reach=None):
     rows, cols = jnp.broadcast_to(points[:1], (2, dim)), jnp.broadcast_to(points[:1], (3, dim))
     fusion = lazy_kernel._fusion(kernel, rows, cols, False, lazy_kernel.block_plan(RBF(), dim))
     reach = jnp.max(jnp.abs(points)) if reach is None else jnp.float32(reach)
-    counts = lazy_kernel.DIGIT_COUNTS
-    return fusion, {c: bool(lazy_kernel._fused_numbers(reach, fusion, dim, c)[0]) for c in counts}
+    numbers = lazy_kernel._fused_numbers(reach, fusion, dim)
+    return fusion, {c: bool(vouched) for c, (vouched, _, _) in zip(lazy_kernel.DIGIT_COUNTS, numbers, strict=True)}
 
 
 @FUSED_ON_CPU
