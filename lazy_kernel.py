@@ -1679,12 +1679,13 @@ def _peak_key(op, width, dtype):
 # --------------------------------------------------------------------------
 #
 # Where a kernel is a function of d^2 = |s (x - y)|^2 with one scalar step s (a lengthscale), a TPU's matrix
-# unit computes |x - y|^2 exactly for points on a grid. Each coordinate becomes r 2^(e - 8 c + 2), r an integer of
-# c signed 8-bit digits (top first) and 2^e >= every |coordinate|. With c = 4 the grid moves a coordinate by at
-# most 1/128 of the largest coordinate's ulp, and none at least 1/64 of it; with c = 3 by about that ulp, so the
-# rule vouches for fewer points, but a block takes 9 digit products, not 16. Digits are exact in bf16 and in
-# int8, their products exact on the matrix unit, their sums exact below 2^24 (bf16 into float32) or 2^31 (int8
-# into int32). For each level l = i + j of digit pairs,
+# unit computes |x - y|^2 exactly for points on a grid. Each coordinate x_d becomes m_d + r h: m the middle of the
+# points' range in each feature, h = R 2^(2 - 8 c) with R >= every |x_d - m_d|, and r an integer of c signed
+# 8-bit digits (top first), taken in float64 (the difference exact). The grid moves a coordinate by at most h / 2:
+# with c = 4, 2^-31 R (under a 128th of R's ulp); with c = 3, 2^-23 R (an ulp or two), so the rule vouches for
+# fewer points, but a block takes 9 digit products, not 16. Only R counts, not how far the points are from the
+# origin. Digits are exact in bf16 and in int8, their products exact on the matrix unit, their sums exact below
+# 2^24 (bf16 into float32) or 2^31 (int8 into int32). For each level l = i + j of digit pairs,
 #
 #     T_l = sum_{i+j=l} (a_i - b_i) . (a_j - b_j) = |a|^2_l + |b|^2_l - 2 sum_{i+j=l} a_i . b_j
 #
@@ -1695,15 +1696,15 @@ def _peak_key(op, width, dtype):
 # pairs in VMEM: the levels, d^2 (times s^2), the kernel's tail (its program as a function of d^2) and the tile's
 # product with the operand, added into the block's result.
 #
-# The rule (_fused_numbers), per product and c: the grid moves a difference by at most rho = sqrt(D) |s|
-# 2^(e - 8 c + 2), so d^2 by 2 d rho + rho^2, and the levels' sum and s^2 round d^2 by (G + 2 n + 2) u (u = eps / 2,
-# G = 2 c - 1 levels, n steps in s), where the direct sum's bound is (D + n + 1) u d^2. K moves by |tail'| times
-# that, and lambda bounds |tail' / tail| (taken in float64 at d^2 from 0 to 64). The rule vouches where, for every
-# d, this bound is within the contract (16 eps of K plus 4x the direct sum's): lambda rho^2 (1 + 1 / kappa) <=
-# 16 eps, with kappa = (4 (D + n + 1) - (G + 2 n + 2)) u. A product takes the fewest digits vouched for (RBF: 3
-# where 2^e is within about 4 lengthscales, 4 within about 500). Elsewhere today's form runs, as it does where the
-# columns' digits would take more than half of max_memory_mb. Derivatives are today's form's: the fused form
-# gives values only (a custom_jvp).
+# The rule (_fused_numbers), per product and c: the grid moves a difference by at most rho = sqrt(D) |s| h (times
+# 1 + 2^-20 for float64's roundings), so d^2 by 2 d rho + rho^2, and the levels' sum, s^2 and |s| h round d^2 by
+# (G + 2 n + 3) u (u = eps / 2, G = 2 c - 1 levels, n steps in s), where the direct sum's bound is (D + n + 1) u
+# d^2. K moves by |tail'| times that, and lambda bounds |tail' / tail| (taken in float64 at d^2 from 0 to 64).
+# The rule vouches where, for every d, this bound is within the contract (16 eps of K plus 4x the direct sum's):
+# lambda rho^2 (1 + 1 / kappa) <= 16 eps, with kappa = (4 (D + n + 1) - (G + 2 n + 3)) u. A product takes the
+# fewest digits vouched for (RBF: 3 where |s| R <= 4, 4 where |s| R <= 1024). Elsewhere today's form runs, as it
+# does where the columns' digits would take more than half of max_memory_mb. Derivatives are today's form's: the
+# fused form gives values only (a custom_jvp).
 
 DIGIT_COUNTS = (3, 4)  # signed 8-bit digits per coordinate: the fewest the rule vouches for
 FUSED_TILE = (512, 1024)  # rows and columns of K per step of the Pallas kernel (rows: a multiple of 32)
@@ -1769,10 +1770,25 @@ def _in_pieces(total, most):
     return [most] * (total // most) + [total % most] * bool(total % most)
 
 
-def _digits(points, exponent, count):
-    """Float32 points [n, D] on the grid 2^(exponent - 8 count + 2): [count, n, D] int8 digits, top first.
-    ``ldexp`` scales exactly, and |r| <= 2^(8 count - 2) while every |coordinate| <= 2^exponent."""
-    r = jnp.round(jnp.ldexp(points, 8 * count - 2 - exponent)).astype(jnp.int32)
+def _grid(x1, x2):
+    """The fused form's grid for the points of x1 and x2 [n, D]: per feature the middle m of their range, and R >=
+    every |x - m| (float32, rounded up from float64, where the difference of two float32 values is exact)."""
+    x1, x2 = jax.lax.stop_gradient((x1, x2))
+    low, high = jnp.minimum(jnp.min(x1, 0), jnp.min(x2, 0)), jnp.maximum(jnp.max(x1, 0), jnp.max(x2, 0))
+    with _float64():
+        low, high = low.astype(jnp.float64), high.astype(jnp.float64)
+        centre = ((low + high) / 2).astype(jnp.float32)
+        reach = jnp.max(jnp.maximum(high - centre, centre - low)).astype(jnp.float32)
+    return centre, jnp.maximum(reach * jnp.float32(1 + 2**-22), jnp.float32(2**-100))  # rounded up
+
+
+def _digits(points, grid, count):
+    """Float32 points [n, D] on ``grid``'s m + r h, h = R 2^(2 - 8 count): [count, n, D] int8 digits of r, top
+    first. In float64 r is within 2^-22 of (x - m) / h before it is rounded, and |r| <= 2^(8 count - 2)."""
+    centre, reach = grid
+    with _float64():
+        scale = jnp.float64(2.0 ** (8 * count - 2)) / reach.astype(jnp.float64)
+        r = jnp.round((points.astype(jnp.float64) - centre.astype(jnp.float64)) * scale).astype(jnp.int32)
     digits = []
     for _ in range(count):
         low = ((r + 128) & 255) - 128  # r = 256 q + low
@@ -1967,12 +1983,12 @@ def _fused_product(rows, cols, operand, numbers, tail, plan, digits):
     their packed columns and norms, ``operand`` its pieces (_fused_operand), ``numbers`` _fused_numbers'."""
     pl, pltpu = _pallas()
     (cols, col_norms), (variant, chunks) = cols, _fused_chunks(rows.shape[1], digits)
-    _, exponent, read = numbers
+    _, grid, read = numbers
     b, n, width = rows.shape[0], cols.shape[1], operand[0].shape[0] if len(operand) == 1 else operand[0].shape[1] // 3
     tile_rows = min(FUSED_TILE[0], -(-b // 32) * 32)
     tile_cols = min(FUSED_TILE[1], n)
     padded = -(-b // tile_rows) * tile_rows
-    rows, row_norms = _packed(_digits(_padded(rows, padded), exponent, digits), chunks, variant, left=True)
+    rows, row_norms = _packed(_digits(_padded(rows, padded), grid, digits), chunks, variant, left=True)
     out_width = 128 if width == 1 else 3 * width
     by_row = lambda shape: pl.BlockSpec(shape, lambda i, j: (i, 0))  # noqa: E731
     by_col = lambda shape: pl.BlockSpec(shape, lambda i, j: (0, j))  # noqa: E731
@@ -2063,24 +2079,23 @@ def _sensitivity(tail):
         return jax.lax.convert_element_type(worst, jnp.float32)
 
 
-def _fused_numbers(reach, fusion, dim):
-    """For points within ``reach`` of the origin, one triple per digit count c of DIGIT_COUNTS: whether the rule
-    (see this section's head) vouches; e, of the grid 2^(e - 8 c + 2); and what the kernel reads from SMEM, the
-    levels' weights and the tail's constants."""
+def _fused_numbers(grid, fusion, dim):
+    """For points on ``grid`` (_grid), one triple per digit count c of DIGIT_COUNTS: whether the rule (see this
+    section's head) vouches; the grid; and what the kernel reads from SMEM, the levels' weights and the tail's
+    constants."""
     step, steps, tail, _, consts = fusion
     eps, sensitivity = float(jnp.finfo(jnp.float32).eps), _sensitivity(tail)
-    exponent = jnp.frexp(reach)[1]  # reach = m 2^e, m in [0.5, 1)
     numbers = []
     for digits in DIGIT_COUNTS:
         levels = 2 * digits - 1
-        grid = jnp.abs(step) * jnp.ldexp(jnp.float32(1.0), exponent - 8 * digits + 2)  # the grid's step, d's units
-        rho = math.sqrt(dim) * grid
-        kappa = (4 * (dim + steps + 1) - (levels + 2 * steps + 2)) * eps / 2
-        vouched = (sensitivity * rho * rho * (1 + 1 / kappa) <= 16 * eps) & (grid * grid >= 2.0**-100)
-        vouched &= jnp.isfinite(reach) & (jnp.abs(exponent) <= 100)
-        weights = grid * grid * 256.0 ** jnp.arange(levels - 1, -1, -1, dtype=jnp.float32)
+        h = jnp.abs(step) * jnp.ldexp(grid[1], 2 - 8 * digits)  # the grid's step, in d's units (rounded once)
+        rho = math.sqrt(dim) * h * (1 + 2**-20)
+        kappa = (4 * (dim + steps + 1) - (levels + 2 * steps + 3)) * eps / 2
+        vouched = (sensitivity * rho * rho * (1 + 1 / kappa) <= 16 * eps) & (h * h >= 2.0**-100) & (h * h <= 2.0**60)
+        vouched &= jnp.isfinite(grid[1]) & jnp.all(jnp.isfinite(grid[0]))
+        weights = h * h * 256.0 ** jnp.arange(levels - 1, -1, -1, dtype=jnp.float32)
         read = jnp.concatenate([weights, jnp.stack([*consts, jnp.float32(0)])])
-        numbers.append((vouched, exponent, read))
+        numbers.append((vouched, grid, read))
     return jax.lax.stop_gradient(tuple(numbers))
 
 
@@ -2099,14 +2114,13 @@ def _fused_rows_times(kernel, x1, x2, rhs, transposed, plan, rows_times, budget)
     fusion = _fusion(lambda x, y: pair(x, y, *consts), rows, cols, transposed, plan)
     if fusion is None:
         return rows_times
-    reach = jax.lax.stop_gradient(jnp.maximum(jnp.max(jnp.abs(x1)), jnp.max(jnp.abs(x2))))
-    numbers = _fused_numbers(reach, fusion, dim)
+    numbers = _fused_numbers(_grid(x1, x2), fusion, dim)
     tile_cols = min(FUSED_TILE[1], -(-n // 128) * 128)
     columns = -(-n // tile_cols) * tile_cols
     points = jax.lax.stop_gradient(_padded(x2, columns))
     packed = []
-    for digits, (variant, chunks), (_, exponent, _) in zip(DIGIT_COUNTS, packings, numbers, strict=True):
-        cols, col_norms = _packed(_digits(points, exponent, digits), chunks, variant, False)
+    for digits, (variant, chunks), (_, grid, _) in zip(DIGIT_COUNTS, packings, numbers, strict=True):
+        cols, col_norms = _packed(_digits(points, grid, digits), chunks, variant, False)
         packed.append((cols, col_norms.T))
     fused = tuple(functools.partial(_fused_product, tail=fusion[3], plan=plan, digits=d) for d in DIGIT_COUNTS)
     fallback = lambda rows, cols, rhs, *consts: _contract(  # noqa: E731

@@ -2031,23 +2031,47 @@ def test_fused_squared_distances_are_exact(dim, count, extreme, seed):
     assert got[2, 3] == got[3, 2] == 0 and np.all(np.diag(got) == 0)
 
 
+def grid_of(*points):
+    """NumPy float64 m and R of the fused form's grid for ``points``: the middle of their range in each feature
+    (a float32), and the largest |x - m| rounded up to a float32."""
+    points = np.concatenate([np.asarray(p, np.float64) for p in points])
+    low, high = points.min(0), points.max(0)
+    middle = np.asarray((low + high) / 2, np.float32).astype(np.float64)
+    reach = np.float32(np.max(np.maximum(high - middle, middle - low)))
+    return middle, float(max(reach * np.float32(1 + 2**-22), np.float32(2**-100)))
+
+
+def grid_rounded(x, grid, count):
+    """NumPy float64 points ``x`` rounded to the fused form's grid (grid_of) of ``count`` digits."""
+    middle, reach = grid
+    step = reach * 2.0 ** (2 - 8 * count)
+    return middle + np.round((np.asarray(x, np.float64) - middle) / step) * step
+
+
 @FUSED_ON_CPU
-@given(scale=st.floats(1e-25, 1e25), count=st.sampled_from(lazy_kernel.DIGIT_COUNTS), seed=st.integers(0, 2**16))
-def test_points_on_the_grid_move_by_at_most_half_its_step(scale, count, seed):
-    """Float32 points as ``count`` signed 8-bit digits on the grid 2^(e - 8 count + 2), 2^e >= every |coordinate|:
-    each moves by at most half the step, digits stay in [-128, 127], and a coordinate whose ulp is at least the
-    step is exact (with 4 digits, every one within a factor 64 of the largest)."""
-    x = np.asarray(np.random.default_rng(seed).normal(size=(20, 5)) * scale, np.float32)
-    x[0, 0] = -np.abs(x).max()
-    exponent = int(jnp.frexp(jnp.max(jnp.abs(jnp.asarray(x))))[1])
-    digits = np.asarray(lazy_kernel._digits(jnp.asarray(x), exponent, count))
+@given(
+    scale=st.floats(1e-25, 1e25),
+    offset=st.sampled_from([0.0, 1.0, 1e3, -1e6]),
+    count=st.sampled_from(lazy_kernel.DIGIT_COUNTS),
+    seed=st.integers(0, 2**16),
+)
+def test_points_on_the_grid_move_by_at_most_half_its_step(scale, offset, count, seed):
+    """Float32 points as ``count`` signed 8-bit digits on the grid m + r h (m the middle of their range, R >= every
+    |x - m|, h = R 2^(2 - 8 count)): each moves by at most half the step, wherever the points lie; digits stay in
+    [-128, 127], |r| <= 2^(8 count - 2); the grid's m and R are grid_of's."""
+    rng = np.random.default_rng(seed)
+    x = np.asarray(rng.normal(size=(20, 5)) * scale + offset * scale, np.float32)
+    middle, reach = (np.asarray(a, np.float64) for a in lazy_kernel._grid(jnp.asarray(x[:7]), jnp.asarray(x[7:])))
+    want = grid_of(x)
+    np.testing.assert_array_equal(middle, want[0])
+    assert reach == want[1] and np.all(np.abs(x - middle) <= reach)
+    digits = np.asarray(lazy_kernel._digits(jnp.asarray(x), (jnp.asarray(middle, jnp.float32), reach), count))
     assert digits.shape[0] == count and digits.min() >= -128 and digits.max() <= 127
-    step = 2.0 ** (exponent - 8 * count + 2)
-    on_grid = np.asarray(integers_of(digits), np.float64) * step
-    assert np.all(np.abs(on_grid - x) <= step / 2)
-    exact = np.spacing(np.abs(x)) >= step
-    assert count == 3 or np.all(exact[np.abs(x) >= 2.0 ** (exponent - 6)])
-    np.testing.assert_array_equal(on_grid[exact], x[exact])
+    step = reach * 2.0 ** (2 - 8 * count)
+    r = np.asarray(integers_of(digits), np.float64)
+    assert np.all(np.abs(r * step - (x - middle)) <= step / 2 * (1 + 2**-20))  # x - m exact in float64
+    np.testing.assert_array_equal(r, np.round((x - middle) / step))
+    assert np.max(np.abs(r)) <= 2 ** (8 * count - 2)
 
 
 @FUSED_ON_CPU
@@ -2160,13 +2184,6 @@ def test_which_kernels_the_fused_form_takes(name, backend, monkeypatch):
     assert not fused(make(0.9))
 
 
-def grid_rounded(x, reach, count):
-    """NumPy float64 points rounded to the fused form's grid of ``count`` digits for points within ``reach`` of
-    the origin."""
-    step = 2.0 ** (int(np.frexp(np.float32(reach))[1]) - 8 * count + 2)
-    return np.round(np.asarray(x, np.float64) / step) * step
-
-
 @FUSED_ON_CPU
 @pytest.mark.parametrize(
     "dim, width, count",
@@ -2182,14 +2199,13 @@ def test_fused_products_match_numpy(dim, width, count, monkeypatch):
     rng = np.random.default_rng(dim + width)
     ls = float(np.float32(np.sqrt(dim / 3)))
     x1, x2 = (np.asarray(rng.normal(size=(n, dim)) + (count == 4) * 100 * ls, np.float32) for n in (70, 300))
-    reach = max(np.abs(x1).max(), np.abs(x2).max())
-    x, y = (grid_rounded(p, reach, count) / ls for p in (x1, x2))
+    x, y = (grid_rounded(p, grid_of(x1, x2), count) / ls for p in (x1, x2))
     k = 1.3 * np.exp(-0.5 * ((x[:, None] - y[None]) ** 2).sum(-1))
     right, left = (np.asarray(rng.uniform(-0.25, 1, size=shape), np.float32) for shape in ((300, width), (width, 70)))
     kernel = RBF(jnp.float32(ls), jnp.float32(1.3))
     lazy = LazyKernel(kernel, jnp.asarray(x1), jnp.asarray(x2), batch_size=40)
     assert "pallas_call" in str(jax.make_jaxpr(lambda o: lazy @ o)(right))
-    assert fused_rule(kernel, jnp.asarray(x1), reach)[1] == {count: True}
+    assert fused_rule(kernel, jnp.asarray(x1), jnp.asarray(x2))[1] == {count: True}
     eps = float(jnp.finfo(jnp.float32).eps)
     got = np.asarray(jax.jit(lambda o: lazy @ o)(right), np.float64)
     assert np.max(np.abs(got - k @ right) / (k @ np.abs(right))) <= 16 * eps
@@ -2197,14 +2213,13 @@ def test_fused_products_match_numpy(dim, width, count, monkeypatch):
     assert np.max(np.abs(got - left @ k) / (np.abs(left) @ k)) <= 16 * eps
 
 
-def fused_rule(kernel, points, reach=None):
-    """The fused form's reading of ``kernel`` on ``points`` (within ``reach`` of the origin): its _fusion, and
-    whether the rule vouches, by digit count."""
-    dim = points.shape[1]
-    rows, cols = jnp.broadcast_to(points[:1], (2, dim)), jnp.broadcast_to(points[:1], (3, dim))
+def fused_rule(kernel, x1, x2=None):
+    """The fused form's reading of ``kernel`` on x1 and x2 (default x1): its _fusion, and whether the rule vouches,
+    by digit count."""
+    dim, x2 = x1.shape[1], x1 if x2 is None else x2
+    rows, cols = jnp.broadcast_to(x1[:1], (2, dim)), jnp.broadcast_to(x1[:1], (3, dim))
     fusion = lazy_kernel._fusion(kernel, rows, cols, False, lazy_kernel.block_plan(RBF(), dim))
-    reach = jnp.max(jnp.abs(points)) if reach is None else jnp.float32(reach)
-    numbers = lazy_kernel._fused_numbers(reach, fusion, dim)
+    numbers = lazy_kernel._fused_numbers(lazy_kernel._grid(x1, x2), fusion, dim)
     return fusion, {c: bool(vouched) for c, (vouched, _, _) in zip(lazy_kernel.DIGIT_COUNTS, numbers, strict=True)}
 
 
@@ -2212,21 +2227,26 @@ def fused_rule(kernel, points, reach=None):
 @pytest.mark.parametrize("name", sorted(FUSED_KERNELS))
 def test_fused_rule_vouches_where_the_grid_keeps_the_contract(name, monkeypatch):
     """The rule: lambda = |tail' / tail| taken at d^2 from 0 to 64 (RBF: 1/2; Matern 5/2: 5/6 at 0); 3 digits for
-    points within a lengthscale or two of the origin (not within 4), 4 within a few hundred, neither 1000 away
+    points spread over a lengthscale or two (RBF: |s| R up to about 4), wherever they lie, 4 over 8, neither over 2000
     (there the product is today's form's); Matern 1/2 (a square root of d^2) never."""
     monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
     make, _ = FUSED_KERNELS[name]
     x = jnp.asarray(np.random.default_rng(0).uniform(-1, 1, size=(50, 16)), jnp.float32)
-    fusion, near = fused_rule(make(1.0), x + 100)
+    fusion, near = fused_rule(make(1.0), x)
     sensitivity = float(lazy_kernel._sensitivity(fusion[2]))
     assert sensitivity == pytest.approx({"gpjax-Matern32": 1.5, "gpjax-Matern52": 5 / 6}.get(name, 0.5), rel=1e-3)
-    assert near == {3: False, 4: True}
-    assert fused_rule(make(1.0), x)[1] == {3: True, 4: True}
-    assert fused_rule(make(1.0), 4 * x)[1] == {3: False, 4: True}
-    assert fused_rule(make(1.0), x + 1000)[1] == {3: False, 4: False}
+    assert near == fused_rule(make(1.0), x + 100)[1] == fused_rule(make(1.0), x - 1e6)[1] == {3: True, 4: True}
+    assert fused_rule(make(1.0), 8 * x)[1] == {3: False, 4: True}
+    assert fused_rule(make(1.0), 2000 * x)[1] == {3: False, 4: False}
+    if name.startswith("rbf"):  # |s| R <= 4 (and 1024), less the rule's small terms
+        ends = lambda reach: jnp.asarray([[-reach] * 16, [reach] * 16], jnp.float32)  # noqa: E731
+        assert fused_rule(make(1.0), ends(3.8))[1] == {3: True, 4: True}
+        assert fused_rule(make(1.0), ends(4.1))[1] == {3: False, 4: True}
+        assert fused_rule(make(1.0), ends(950.0))[1] == {3: False, 4: True}
+        assert fused_rule(make(1.0), ends(1060.0))[1] == {3: False, 4: False}
     matern12 = lambda x, y: jnp.exp(-jnp.sqrt(jnp.maximum(jnp.sum((x - y) ** 2), 1e-36)))  # noqa: E731
     assert fused_rule(matern12, x)[1] == {3: False, 4: False}
-    far = LazyKernel(make(1.0), x + 1000, x, batch_size=20)
+    far = LazyKernel(make(1.0), 2000 * x, x, batch_size=20)
     v = jnp.linspace(-1, 1, 50, dtype=jnp.float32)
     fused = jax.jit(lambda v: far @ v)(v)
     monkeypatch.setattr(lazy_kernel, "FUSED_PRODUCT", False)
