@@ -2085,17 +2085,18 @@ def _fused_numbers(grid, fusion, dim):
     constants."""
     step, steps, tail, _, consts = fusion
     eps, sensitivity = float(jnp.finfo(jnp.float32).eps), _sensitivity(tail)
+    finite = jnp.isfinite(grid[1]) & jnp.all(jnp.isfinite(grid[0]))
     numbers = []
     for digits in DIGIT_COUNTS:
         levels = 2 * digits - 1
         h = jnp.abs(step) * jnp.ldexp(grid[1], 2 - 8 * digits)  # the grid's step, in d's units (rounded once)
         rho = math.sqrt(dim) * h * (1 + 2**-20)
         kappa = (4 * (dim + steps + 1) - (levels + 2 * steps + 3)) * eps / 2
-        vouched = (sensitivity * rho * rho * (1 + 1 / kappa) <= 16 * eps) & (h * h >= 2.0**-100) & (h * h <= 2.0**60)
-        vouched &= jnp.isfinite(grid[1]) & jnp.all(jnp.isfinite(grid[0]))
-        weights = h * h * 256.0 ** jnp.arange(levels - 1, -1, -1, dtype=jnp.float32)
+        h2 = h * h
+        vouched = (sensitivity * rho * rho * (1 + 1 / kappa) <= 16 * eps) & (h2 >= 2.0**-100) & (h2 <= 2.0**60)
+        weights = h2 * 256.0 ** jnp.arange(levels - 1, -1, -1, dtype=jnp.float32)
         read = jnp.concatenate([weights, jnp.stack([*consts, jnp.float32(0)])])
-        numbers.append((vouched, grid, read))
+        numbers.append((vouched & finite, grid, read))
     return jax.lax.stop_gradient(tuple(numbers))
 
 
