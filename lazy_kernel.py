@@ -1703,8 +1703,14 @@ def _peak_key(op, width, dtype):
 # The rule vouches where, for every d, this bound is within the contract (16 eps of K plus 4x the direct sum's):
 # lambda rho^2 (1 + 1 / kappa) <= 16 eps, with kappa = (4 (D + n + 1) - (G + 2 n + 3)) u. A product takes the
 # fewest digits vouched for (RBF: 3 where |s| R <= 4, 4 where |s| R <= 1024). Elsewhere today's form runs, as it
-# does where the columns' digits would take more than half of max_memory_mb. Derivatives are today's form's: the
-# fused form gives values only (a custom_jvp).
+# does where the columns' digits would take more than half of max_memory_mb.
+#
+# Derivatives: the product is a primitive of its own (_fused_primitives). Forward mode, and anything of second
+# order, is today's form's. Reverse mode of K @ v (one operand column) runs a second Pallas kernel per block
+# (_fused_backward_kernel): d^2 as above gives K, tail' and the tail's constants' cotangents; the points'
+# cotangents sum C tail' 2 s^2 (x_i - y_j) per feature on the vector unit, the differences taken pair by pair
+# (nothing cancels), and the cotangent of s^2 sums C tail' |x - y|^2 of those differences. It runs where the rule
+# vouches with lambda bounding |tail'' / tail'| too; elsewhere, and for wider operands, today's form's vjp.
 
 DIGIT_COUNTS = (3, 4)  # signed 8-bit digits per coordinate: the fewest the rule vouches for
 FUSED_TILE = (512, 1024)  # rows and columns of K per step of the Pallas kernel (rows: a multiple of 32)
@@ -1956,6 +1962,98 @@ def _fused_kernel(tail, chunks, variant, width, *refs):
         )
 
 
+def _fused_backward_kernel(tail, chunks, variant, refs):
+    """One tile of a block's cotangents, for ``K @ v`` with cotangent ct: d^2 exactly as the product has it, K
+    and C tail'(d^2) (C = ct_i v_j) by the tail's own derivative; then per feature, the differences pair by pair
+    (no cancellation): row sums of A (x_i - y_j), column sums of -A (x_i - y_j), A = 2 s^2 C tail';
+    column sums of ct K; and the tile's sums of C tail' |x - y|^2 (the differences' squares: the cotangent of s^2,
+    as the vmap form has it, where the grid's d^2 would move a near pair's by much of itself) and of C dtail/dc for
+    each constant c of the tail."""
+    numbers, rows, row_norms, cols, col_norms, x, yt, ct, v, g1, g2, gv, gs = refs
+    levels, constants = chunks[-1].level + 1, len(tail.constvars)
+    d2 = _tile_squared_distances(rows, row_norms, cols, col_norms, numbers, chunks, variant)
+    consts = [numbers[levels + i] for i in range(constants)]
+    on_tile = lambda z, *c: _tail_on_tile(tail, list(c), z).astype(jnp.float32)  # noqa: E731
+    k, pullback = jax.vjp(on_tile, d2, *consts)
+    by_d2, *by_consts = pullback(ct[...] * v[...])
+    a = by_d2 * (2 * numbers[levels + constants + 1])  # 2 s^2 C tail'
+
+    pl = _pallas()[0]
+
+    @pl.when(pl.program_id(1) == 0)
+    def _():
+        g1[...] = jnp.zeros_like(g1)
+
+    gv[...] = jnp.sum(ct[...] * k, 0, keepdims=True)[None]
+    columns, squares = [], 0.0
+    for feature in range(x.shape[1]):
+        difference = x[:, feature : feature + 1] - yt[feature : feature + 1, :]
+        squares = squares + difference * difference
+        products = a * difference
+        lanes = products[:, :128]
+        for lane in range(128, products.shape[1], 128):
+            lanes = lanes + products[:, lane : lane + 128]
+        g1[:, feature : feature + 1] += jnp.sum(lanes, 1, keepdims=True)
+        columns.append(-jnp.sum(products, 0, keepdims=True))
+    g2[...] = jnp.concatenate(columns, 0)[None]
+    sums = [jnp.sum(by_d2 * squares), *(jnp.sum(c) for c in by_consts)]
+    gs[...] = jnp.concatenate([jnp.broadcast_to(total, (1, 128)) for total in sums], 1)[None, None]
+
+
+def _fused_backward(rows, cols, points, operand, ct, numbers, s2, tail, plan, digits):
+    """The cotangents of one block's ``K @ v`` (v one column), by the Pallas kernel on ``digits`` digits: of the
+    rows [b, D] and of the columns' ``points`` [N', D] (padded as the packed columns ``cols`` are), of v, and
+    the sums of C tail' |x - y|^2 and of C dtail/dc (C = ct_i v_j). ``operand`` and ``numbers`` as
+    _fused_product's."""
+    pl, pltpu = _pallas()
+    (cols, col_norms), (variant, chunks) = cols, _fused_chunks(rows.shape[1], digits)
+    _, grid, read = numbers
+    (b, dim), n = rows.shape, cols.shape[1]
+    tile_rows = min(FUSED_TILE[0], -(-b // 32) * 32)
+    tile_cols = min(FUSED_TILE[1], n)
+    padded, tiles = -(-b // tile_rows) * tile_rows, (-(-b // tile_rows), n // tile_cols)
+    x = _padded(rows, padded)
+    packed, row_norms = _packed(_digits(x, grid, digits), chunks, variant, left=True)
+    ct = jnp.pad(ct.astype(jnp.float32), ((0, padded - b), (0, 0)))
+    sums = 1 + len(tail.constvars)
+    by_row = lambda shape: pl.BlockSpec(shape, lambda i, j: (i, 0))  # noqa: E731
+    by_col = lambda shape: pl.BlockSpec(shape, lambda i, j: (0, j))  # noqa: E731
+    with jax.enable_x64(False):
+        g1, g2, gv, gs = pl.pallas_call(
+            lambda *refs: _fused_backward_kernel(tail, chunks, variant, refs),
+            grid=tiles,
+            in_specs=[
+                pl.BlockSpec(memory_space=pltpu.SMEM),
+                by_row((tile_rows, packed.shape[1])),
+                by_row((tile_rows, row_norms.shape[1])),
+                by_col((cols.shape[0], tile_cols)),
+                by_col((col_norms.shape[0], tile_cols)),
+                by_row((tile_rows, dim)),
+                by_col((dim, tile_cols)),
+                by_row((tile_rows, 1)),
+                by_col((1, tile_cols)),
+            ],
+            out_specs=[
+                by_row((tile_rows, dim)),
+                pl.BlockSpec((1, dim, tile_cols), lambda i, j: (i, 0, j)),
+                pl.BlockSpec((1, 1, tile_cols), lambda i, j: (i, 0, j)),
+                pl.BlockSpec((1, 1, 1, 128 * sums), lambda i, j: (i, j, 0, 0)),
+            ],
+            out_shape=[
+                jax.ShapeDtypeStruct((padded, dim), jnp.float32),
+                jax.ShapeDtypeStruct((tiles[0], dim, n), jnp.float32),
+                jax.ShapeDtypeStruct((tiles[0], 1, n), jnp.float32),
+                jax.ShapeDtypeStruct((*tiles, 1, 128 * sums), jnp.float32),
+            ],
+            compiler_params=pltpu.CompilerParams(
+                dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=FUSED_VMEM_BYTES
+            ),
+            interpret=plan.interpret,
+        )(jnp.concatenate([read, jnp.stack([s2])]), packed, row_norms, cols, col_norms, x, points.T, ct, operand[0])
+    totals = jnp.sum(gs.reshape(-1, sums, 128)[:, :, 0], 0)
+    return g1[:b], g2.sum(0).T, gv.sum((0, 1))[:, None], totals[0], totals[1:]
+
+
 def _bf16_pieces(x):
     """Float32 ``x`` as three bf16-exact float32 pieces that add up to it exactly (by bit masks, which no
     compiler allowed excess precision can fold away, as it can a round trip through bf16)."""
@@ -2067,24 +2165,27 @@ def _fused_takes(kernel, dim, plan):
     return found[0] is not None
 
 
-def _sensitivity(tail):
-    """lambda: the largest |tail'(d^2) / tail(d^2)| at _SENSITIVITY_AT, in float64 (inf where it is not finite)."""
+def _sensitivity(tail, derivative=False):
+    """lambda: the largest |tail'(d^2) / tail(d^2)| at _SENSITIVITY_AT, in float64 (inf where it is not finite);
+    with ``derivative``, of |tail'' / tail'| too (the backward's tail')."""
     widened = _in_float64(tail)
     if widened is None:
         return jnp.float32(jnp.inf)
     with _float64():
-        value, slope, _ = _tail_derivatives(widened, jnp.asarray(_SENSITIVITY_AT, jnp.float64))
+        value, slope, curvature = _tail_derivatives(widened, jnp.asarray(_SENSITIVITY_AT, jnp.float64))
         ratio = jnp.where(value == 0, 0.0, jnp.abs(slope) / jnp.abs(value))
+        if derivative:
+            ratio = jnp.maximum(ratio, jnp.where(slope == 0, 0.0, jnp.abs(curvature) / jnp.abs(slope)))
         worst = jnp.max(jnp.where(jnp.isnan(ratio), jnp.inf, ratio))
         return jax.lax.convert_element_type(worst, jnp.float32)
 
 
-def _fused_numbers(grid, fusion, dim):
+def _fused_numbers(grid, fusion, dim, derivative=False):
     """For points on ``grid`` (_grid), one triple per digit count c of DIGIT_COUNTS: whether the rule (see this
-    section's head) vouches; the grid; and what the kernel reads from SMEM, the levels' weights and the tail's
-    constants."""
+    section's head) vouches, for the backward's tail' too with ``derivative``; the grid; and what the kernel reads
+    from SMEM, the levels' weights and the tail's constants."""
     step, steps, tail, _, consts = fusion
-    eps, sensitivity = float(jnp.finfo(jnp.float32).eps), _sensitivity(tail)
+    eps, sensitivity = float(jnp.finfo(jnp.float32).eps), _sensitivity(tail, derivative)
     finite = jnp.isfinite(grid[1]) & jnp.all(jnp.isfinite(grid[0]))
     numbers = []
     for digits in DIGIT_COUNTS:
@@ -2111,11 +2212,12 @@ def _fused_rows_times(kernel, x1, x2, rhs, transposed, plan, rows_times, budget)
         return rows_times
     example = (x2[0], x1[0]) if transposed else (x1[0], x2[0])
     pair, consts = jax.closure_convert(lambda x, y: kernel(x, y), *example)
-    rows, cols = (jnp.broadcast_to(x[:1], (size, x.shape[1])) for x, size in ((x1, 2), (x2, 3)))  # of both points
-    fusion = _fusion(lambda x, y: pair(x, y, *consts), rows, cols, transposed, plan)
+    probe = [jnp.broadcast_to(x[:1], (size, x.shape[1])) for x, size in ((x1, 2), (x2, 3))]  # of both points
+    fusion = _fusion(lambda x, y: pair(x, y, *consts), *probe, transposed, plan)
     if fusion is None:
         return rows_times
-    numbers = _fused_numbers(_grid(x1, x2), fusion, dim)
+    grid = _grid(x1, x2)
+    numbers = _fused_numbers(grid, fusion, dim)
     tile_cols = min(FUSED_TILE[1], -(-n // 128) * 128)
     columns = -(-n // tile_cols) * tile_cols
     points = jax.lax.stop_gradient(_padded(x2, columns))
@@ -2127,8 +2229,19 @@ def _fused_rows_times(kernel, x1, x2, rhs, transposed, plan, rows_times, budget)
     fallback = lambda rows, cols, rhs, *consts: _contract(  # noqa: E731
         _block(lambda x, y: pair(x, y, *consts), rows, cols, transposed, _without_fused(plan)), rhs, plan
     )
-    given = tuple(packed), _fused_operand(rhs, columns), numbers
-    return lambda rows: _fused_or_fallback(fused, fallback, given, rows, x2, rhs, *consts)
+
+    def scalars(*consts):  # s^2 and the tail's constants, as functions of the kernel's (on points of no trace)
+        zeros = [jnp.zeros(p.shape, p.dtype) for p in probe]
+        step, _, _, _, tail_consts = _fusion(lambda x, y: pair(x, y, *consts), *zeros, transposed, plan)
+        return step * step, tail_consts
+
+    backward, backward_vouched = None, ()
+    if width == 1:
+        back = [functools.partial(_fused_backward, tail=fusion[3], plan=plan, digits=d) for d in DIGIT_COUNTS]
+        backward = _FusedBackward(tuple(back), scalars, fallback)
+        backward_vouched = tuple(v for v, _, _ in _fused_numbers(grid, fusion, dim, derivative=True))
+    given = tuple(packed), _fused_operand(rhs, columns), numbers, points, backward_vouched
+    return lambda rows: _fused_or_fallback((fused, backward), fallback, given, rows, x2, rhs, *consts)
 
 
 def _without_fused(plan):
@@ -2138,21 +2251,118 @@ def _without_fused(plan):
     return dataclasses.replace(plan, block=block, squared_distances=distances)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _fused_or_fallback(fused, fallback, given, rows, cols, rhs, *consts):
-    """The block's product by the first of ``fused`` (by digit count) whose numbers in ``given`` vouch for it,
-    else by ``fallback``."""
-    packed, operand, numbers = given
-    on_grids = [functools.partial(f, rows, p, operand, n) for f, p, n in zip(fused, packed, numbers, strict=True)]
-    first = jnp.argmax(jnp.stack([*(vouched for vouched, _, _ in numbers), jnp.bool_(True)]))
+def _first_vouched(vouched):
+    """The index of the first digit count vouched for; len(vouched) where none is."""
+    return jnp.argmax(jnp.stack([*vouched, jnp.bool_(True)]))
+
+
+def _fused_or_fallback(forms, fallback, given, rows, cols, rhs, *consts):
+    """The block's product by the first of the fused forms (``forms[0]``, by digit count) whose numbers in
+    ``given`` vouch for it, else by ``fallback``; a primitive (_fused_primitives): forward-mode derivatives by
+    ``fallback``, reverse mode by the fused backward (``forms[1]``) where there is one and the numbers vouch."""
+    leaves, tree = jax.tree_util.tree_flatten(given)
+    operands = [rows, cols, rhs, *consts, *leaves]
+    operands = [a + _zeros_varying_like((), a.dtype, operands) for a in operands]  # as the type rules assume
+    product, _ = _fused_primitives()
+    return product.bind(*operands, forms=forms, fallback=fallback, tree=tree, count=3 + len(consts))
+
+
+def _fused_value(*operands, forms, fallback, tree, count):
+    """The product: the first vouched fused form's, else the fallback's."""
+    (rows, cols, rhs, *consts), (packed, operand, numbers, *_) = operands[:count], tree.unflatten(operands[count:])
+    on_grids = [functools.partial(f, rows, p, operand, n) for f, p, n in zip(forms[0], packed, numbers, strict=True)]
+    first = _first_vouched([vouched for vouched, _, _ in numbers])
     return jax.lax.switch(first, [*on_grids, lambda: fallback(rows, cols, rhs, *consts)])
 
 
-@_fused_or_fallback.defjvp
-def _fused_or_fallback_jvp(fused, fallback, primals, tangents):
+class _FusedBackward(NamedTuple):
+    """The fused backward of a block's ``K @ v``: ``back`` by digit count (_fused_backward), ``scalars`` (the
+    kernel's constants -> s^2 and the tail's constants) and ``fallback``."""
+
+    back: tuple
+    scalars: object
+    fallback: object
+
+    def __call__(self, tree, primals, leaves, ct):
+        """The cotangents of (rows, cols, rhs, *consts) for the output's cotangent ``ct``."""
+        return _fused_cotangents(self, tree.unflatten(leaves), ct, *primals)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _fused_cotangents(backward, given, ct, rows, cols, rhs, *consts):
+    """The block's cotangents by the first fused backward whose numbers vouch, else by the fallback's vjp."""
+    packed, operand, numbers, points, vouched = given
+    n = cols.shape[0]
+    (s2, tail_consts), by_scalars = jax.vjp(backward.scalars, *consts)
+
+    def fused(back, cols_packed, numbers):
+        ct_rows, ct_cols, ct_rhs, by_s2, by_tail = back(rows, cols_packed, points, operand, ct, numbers, s2)
+        ct_consts = by_scalars((by_s2, list(by_tail[: len(tail_consts)])))
+        return (ct_rows, ct_cols[:n], ct_rhs[:n], *ct_consts)
+
+    branches = [functools.partial(fused, *a) for a in zip(backward.back, packed, numbers, strict=True)]
+    by_fallback = lambda: jax.vjp(backward.fallback, rows, cols, rhs, *consts)[1](ct)  # noqa: E731
+    return tuple(jax.lax.switch(_first_vouched(vouched), [*branches, by_fallback]))
+
+
+@_fused_cotangents.defjvp
+def _fused_cotangents_jvp(backward, primals, tangents):
+    """Second order by the fallback's: the derivative of its vjp."""
     _, *primals = primals
     _, *tangents = tangents
-    return jax.jvp(fallback, primals, tangents)
+    vjp = lambda ct, *args: jax.vjp(backward.fallback, *args)[1](ct)  # noqa: E731
+    return jax.jvp(vjp, primals, tangents)
+
+
+@functools.cache
+def _fused_primitives():
+    """The primitives of a fused block's product and of its tangent. The tangent's is linear in its tangents,
+    computed (and differentiated, and vmapped) by the fallback's jvp; its transpose, reverse mode, runs the fused
+    backward where vouched for. A custom_jvp cannot: JAX transposes its rule, and a Pallas kernel has no
+    transpose; and jax.checkpoint inlines a custom_jvp's own function where a second derivative then needs it."""
+    from jax.interpreters import ad, batching, mlir
+
+    product = jax.extend.core.Primitive("lazy_kernel_fused_product")
+    tangent = jax.extend.core.Primitive("lazy_kernel_fused_tangent")
+
+    def tangent_of(*operands, fallback, backward, count):
+        return jax.jvp(fallback, tuple(operands[:count]), tuple(operands[-count:]))[1]
+
+    def product_jvp(operands, tangents, *, forms, fallback, tree, count):
+        value = product.bind(*operands, forms=forms, fallback=fallback, tree=tree, count=count)
+        linear = tuple(ad.instantiate_zeros(t) for t in tangents[:count])
+        if forms[1] is None:
+            return value, jax.jvp(fallback, operands[:count], linear)[1]
+        backward = functools.partial(forms[1], tree)
+        return value, tangent.bind(*operands, *linear, fallback=fallback, backward=backward, count=count)
+
+    def transpose(ct, *operands, fallback, backward, count):
+        primals, linear = operands[:-count], operands[-count:]
+        if type(ct) is ad.Zero:
+            zeros = [ad.Zero(t.aval) if ad.is_undefined_primal(t) else None for t in linear]
+            return [None] * len(primals) + zeros
+        cts = backward(primals[:count], primals[count:], ct)
+        return [None] * len(primals) + [
+            c if ad.is_undefined_primal(t) else None for c, t in zip(cts, linear, strict=True)
+        ]
+
+    def tangent_jvp(primals, tangents, **params):
+        tangents = [ad.instantiate_zeros(t) for t in tangents]
+        return jax.jvp(functools.partial(tangent_of, **params), primals, tangents)
+
+    for primitive, impl in ((product, _fused_value), (tangent, tangent_of)):
+        primitive.def_impl(impl)
+        primitive.def_abstract_eval(lambda rows, cols, rhs, *_, **__: rhs.update(shape=(rows.shape[0], rhs.shape[1])))
+        mlir.register_lowering(primitive, mlir.lower_fun(impl, multiple_results=False))
+        batching.primitive_batchers[primitive] = functools.partial(_vmapped, impl)
+    ad.primitive_jvps[product] = product_jvp
+    ad.primitive_jvps[tangent] = tangent_jvp
+    ad.primitive_transposes[tangent] = transpose
+    return product, tangent
+
+
+def _vmapped(impl, args, dims, **params):
+    return jax.vmap(functools.partial(impl, **params), in_axes=dims)(*args), 0
 
 
 # --------------------------------------------------------------------------

@@ -2090,11 +2090,14 @@ def test_fused_column_digits_leave_room_for_blocks(monkeypatch):
 
 
 def pallas_calls(jaxpr):
-    """The pallas_call equations in ``jaxpr`` and the jaxprs inside it."""
+    """The pallas_call equations in ``jaxpr`` and the jaxprs inside it (a fused product's: its function's)."""
     found = []
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "pallas_call":
             found.append(eqn)
+        if eqn.primitive.name == "lazy_kernel_fused_product":
+            product = functools.partial(lazy_kernel._fused_value, **eqn.params)
+            found += pallas_calls(jax.make_jaxpr(product)(*(var.aval for var in eqn.invars)).jaxpr)
         for param in eqn.params.values():
             for inner in param if isinstance(param, (tuple, list)) else [param]:
                 inner = getattr(inner, "jaxpr", inner)
@@ -2103,20 +2106,25 @@ def pallas_calls(jaxpr):
 
 
 @FUSED_ON_CPU
-@pytest.mark.parametrize("dim, width", [(16, 1), pytest.param(16, 16, marks=SLOW), pytest.param(128, 4, marks=SLOW)])
+@pytest.mark.parametrize(
+    "dim, width",
+    [(16, 1), pytest.param(16, 16, marks=SLOW), pytest.param(128, 4, marks=SLOW), pytest.param(256, 1, marks=SLOW)],
+)
 def test_fused_kernel_is_one_mosaic_takes(dim, width, monkeypatch):
-    """What Mosaic compiles is the same with x64 on and a matmul precision set (as this suite has them) as with
-    neither: no 64-bit value (Mosaic has none), digits multiplied at DEFAULT (Mosaic refuses HIGHEST on bf16); and
-    it lowers for a TPU here. Before, a TPU v5e failed to compile it under this suite's settings."""
+    """What Mosaic compiles, the product's kernels and (one operand column) the gradient's too, is the same with x64
+    on and a matmul precision set (as this suite has them) as with neither: no 64-bit value (Mosaic has none),
+    digits multiplied at DEFAULT (Mosaic refuses HIGHEST on bf16); and it lowers for a TPU here. Before, a TPU v5e
+    failed to compile the product's under this suite's settings."""
     monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
 
     def kernels():
-        lazy = lambda x, v: LazyKernel(RBF(jnp.float32(2.0), jnp.float32(1.3)), x, x, batch_size=256) @ v  # noqa: E731
+        op = lambda x: LazyKernel(RBF(jnp.float32(2.0), jnp.float32(1.3)), x, x, batch_size=256, checkpoint=True)  # noqa: E731
+        product = lambda x, v: (op(x) @ v, jax.grad(lambda x: jnp.sum(op(x) @ v))(x))  # noqa: E731
         x, v = jnp.ones((512, dim), jnp.float32), jnp.ones((512, width), jnp.float32)
-        calls = pallas_calls(jax.make_jaxpr(lazy)(x, v).jaxpr)
-        assert len(calls) == len(lazy_kernel.DIGIT_COUNTS)
+        calls = pallas_calls(jax.make_jaxpr(product)(x, v).jaxpr)
+        assert len(calls) == len(lazy_kernel.DIGIT_COUNTS) * (3 if width == 1 else 2)  # product, gradient's, backward
         maps = [str(m.index_map_jaxpr) for call in calls for m in call.params["grid_mapping"].block_mappings]
-        exported = jax.export.export(jax.jit(lambda *a: lazy(*a)), platforms=["tpu"])  # not make_jaxpr's trace
+        exported = jax.export.export(jax.jit(lambda *a: product(*a)), platforms=["tpu"])  # not make_jaxpr's trace
         plan = lazy_kernel.block_plan
         monkeypatch.setattr(lazy_kernel, "block_plan", lambda *a: dataclasses.replace(plan(*a), interpret=False))
         try:
@@ -2204,13 +2212,82 @@ def test_fused_products_match_numpy(dim, width, count, monkeypatch):
     right, left = (np.asarray(rng.uniform(-0.25, 1, size=shape), np.float32) for shape in ((300, width), (width, 70)))
     kernel = RBF(jnp.float32(ls), jnp.float32(1.3))
     lazy = LazyKernel(kernel, jnp.asarray(x1), jnp.asarray(x2), batch_size=40)
-    assert "pallas_call" in str(jax.make_jaxpr(lambda o: lazy @ o)(right))
+    assert pallas_calls(jax.make_jaxpr(lambda o: lazy @ o)(right).jaxpr)
     assert fused_rule(kernel, jnp.asarray(x1), jnp.asarray(x2))[1] == {count: True}
     eps = float(jnp.finfo(jnp.float32).eps)
     got = np.asarray(jax.jit(lambda o: lazy @ o)(right), np.float64)
     assert np.max(np.abs(got - k @ right) / (k @ np.abs(right))) <= 16 * eps
     got = np.asarray(jax.jit(jax.vmap(lambda w: w @ lazy))(left), np.float64)  # X @ K, a row of X at a time
     assert np.max(np.abs(got - left @ k) / (np.abs(left) @ k)) <= 16 * eps
+
+
+def gradient_oracle(x, v, ls, variance, kernel):
+    """NumPy float64: the gradient of sum(sin(K(x, x) @ v)) in the lengthscale, x and v, for RBF or Matern 5/2 at
+    one lengthscale; and each one's scale (its largest sum of absolute terms)."""
+    x, v, ls, variance = (np.asarray(a, np.float64) for a in (x, v, ls, variance))
+    diff = x[:, None] - x[None]
+    z = (diff**2).sum(-1) / ls**2
+    if kernel == "rbf":
+        shape, slope = np.exp(-0.5 * z), -0.5 * np.exp(-0.5 * z)  # K / variance and its derivative in z
+    else:
+        r = np.sqrt(z)
+        shape, slope = (
+            (1 + np.sqrt(5) * r + 5 * z / 3) * np.exp(-np.sqrt(5) * r),
+            -5 / 6 * (1 + np.sqrt(5) * r) * np.exp(-np.sqrt(5) * r),
+        )
+    k = variance * shape
+    out_cotangent = np.cos(k @ v)
+    c = out_cotangent[:, None] * v[None]  # the cotangent of K
+    by_ls = c * variance * slope * (-2 * z / ls)
+    terms = (c * variance * slope * 2 / ls**2)[..., None] * diff  # of x_i; x_j's are their negatives
+    gradients = (by_ls.sum(), terms.sum(1) - terms.sum(0), k.T @ out_cotangent)
+    by_x_scale = (np.abs(terms).sum(1) + np.abs(terms).sum(0)).max()
+    return gradients, (np.abs(by_ls).sum(), by_x_scale, (np.abs(k.T) @ np.abs(out_cotangent)).max())
+
+
+@FUSED_ON_CPU
+@pytest.mark.parametrize(
+    "name, dim", [("rbf-module", 16), ("gpjax-Matern52", 16), pytest.param("rbf-module", 128, marks=SLOW)]
+)
+def test_fused_gradients_as_accurate_as_the_vmap_form(name, dim, monkeypatch):
+    """The checkpointed gradient of sum(sin(K @ v)) in the lengthscale, the points and v, by the
+    fused backward (a TPU faked, Pallas interpreted): against NumPy float64, within 4x the vmap form's error plus
+    16 eps of the scale, on N(0, 1), points 1000 out, near-duplicates, a tight cluster and two far apart (every
+    pair of weight a near one); the backward's kernels run (one per digit count)."""
+    monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
+    make, _ = FUSED_KERNELS[name]
+    eps = float(jnp.finfo(jnp.float32).eps)
+    ls = float(np.float32(np.sqrt(dim / 3)))
+    rng = np.random.default_rng(dim)
+    base = rng.normal(size=(160, dim))
+    data = {
+        "normal": base,
+        "1000 out": base + 1000,
+        "near-duplicates": np.concatenate([base[:80], base[:80] + rng.normal(size=(80, dim)) * 1e-3]),
+        "cluster": base * 1e-3 * ls,
+        "two clusters": base * 1e-3 * ls + np.where(np.arange(160) < 80, -1.5, 1.5)[:, None] * ls,  # near pairs only
+    }
+
+    def loss(ls, x, v, form):
+        k = (
+            lazy_kernel._vmap_block(make(ls), x, x)
+            if form == "vmap"
+            else LazyKernel(make(ls), x, x, batch_size=64, checkpoint=True)
+        )
+        return jnp.sum(jnp.sin(k @ v))
+
+    for data_name, x in data.items():
+        x = np.asarray(x, np.float32)
+        v = np.asarray(rng.uniform(-0.25, 1, size=len(x)), np.float32)
+        args = (jnp.float32(ls), jnp.asarray(x), jnp.asarray(v))
+        gradient = lambda form: jax.grad(functools.partial(loss, form=form), argnums=(0, 1, 2))  # noqa: E731
+        assert len(pallas_calls(jax.make_jaxpr(gradient("fused"))(*args).jaxpr)) == 2 * len(lazy_kernel.DIGIT_COUNTS)
+        with as_users_compile():
+            fused, vmapped = (jax.jit(gradient(form))(*args) for form in ("fused", "vmap"))
+        truths, scales = gradient_oracle(x, v, ls, 1.3, "rbf" if name.startswith("rbf") else "matern52")
+        for what, got, vmap, truth, scale in zip(("ls", "x", "v"), fused, vmapped, truths, scales, strict=True):
+            error, vmap_error = (np.max(np.abs(np.asarray(a, np.float64) - truth)) for a in (got, vmap))
+            assert error <= 4 * vmap_error + 16 * eps * scale, (data_name, what, error, vmap_error, scale)
 
 
 def fused_rule(kernel, x1, x2=None):
