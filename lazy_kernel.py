@@ -248,6 +248,8 @@ GEMM_FEATURES_MIN = 128  # below it, too many pairs a GEMM cannot vouch for: the
 WIDE_GEMM_FEATURES_MIN = 8  # on CPU, the float64 GEMM beats the loop from here
 FUSED_FEATURES_MIN = 16  # on a TPU, the fused product (layer 7) from here: at D = 3 today's form took 0.24x its time
 FUSED_WIDTH_MAX = 64  # operand columns the fused product takes; a wider operand gets today's form
+FUSED_BACKWARD_FEATURES_MAX = 64  # the fused backward to here (v5e: 1.26x the GEMM's gradient at 16, 3.2x at 64);
+# above, today's vjp (the backward's work grows with D; Mosaic had not compiled it at D = 256 after 200 s)
 FUSED_INT8_FEATURES_MIN = 128  # fused digits in int8 from here (half bf16's matrix-unit time, more vector work)
 CONTRACTION_CHUNK = 2048  # a TPU's matrix unit sums this many float32 terms within 2 eps (see _chunked_contract)
 CPU_BLOCK_BYTES = 4 * 2**20  # cache-sized blocks were the fastest on CPU
@@ -1710,7 +1712,8 @@ def _peak_key(op, width, dtype):
 # (_fused_backward_kernel): d^2 as above gives K, tail' and the tail's constants' cotangents; the points'
 # cotangents sum C tail' 2 s^2 (x_i - y_j) per feature on the vector unit, the differences taken pair by pair
 # (nothing cancels), and the cotangent of s^2 sums C tail' |x - y|^2 of those differences. It runs where the rule
-# vouches with lambda bounding |tail'' / tail'| too; elsewhere, and for wider operands, today's form's vjp.
+# vouches with lambda bounding |tail'' / tail'| too, up to D = FUSED_BACKWARD_FEATURES_MAX; elsewhere, and for
+# wider operands, today's form's vjp.
 
 DIGIT_COUNTS = (3, 4)  # signed 8-bit digits per coordinate: the fewest the rule vouches for
 FUSED_TILE = (512, 1024)  # rows and columns of K per step of the Pallas kernel (rows: a multiple of 32)
@@ -2236,7 +2239,7 @@ def _fused_rows_times(kernel, x1, x2, rhs, transposed, plan, rows_times, budget)
         return step * step, tail_consts
 
     backward, backward_vouched = None, ()
-    if width == 1:
+    if width == 1 and dim <= FUSED_BACKWARD_FEATURES_MAX:
         back = [functools.partial(_fused_backward, tail=fusion[3], plan=plan, digits=d) for d in DIGIT_COUNTS]
         backward = _FusedBackward(tuple(back), scalars, fallback)
         backward_vouched = tuple(v for v, _, _ in _fused_numbers(grid, fusion, dim, derivative=True))
