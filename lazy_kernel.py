@@ -32,7 +32,8 @@ keeps what it traced), each entered from the core only at the functions named:
    ``_differentiated`` for ``block_rows`` and ``measure()``).
 7. ``FUSED_PRODUCT``: on a TPU, a block's product in one Pallas kernel, with
    squared distances exact on the matrix unit, where the plan says and a rule
-   vouches (``_fused_rows_times``; ``block_plan`` asks ``_fused_takes``).
+   vouches (``_fused_rows_times``; ``block_plan`` asks ``_fused_takes``);
+   reverse mode of ``K @ v`` by a second kernel (``_fused_primitives``).
 
 8. ``python lazy_kernel.py`` checks a machine against a dense NumPy oracle.
 
@@ -2365,6 +2366,7 @@ def _fused_primitives():
 
 
 def _vmapped(impl, args, dims, **params):
+    """A fused primitive's batching rule: its ``impl`` vmapped."""
     return jax.vmap(functools.partial(impl, **params), in_axes=dims)(*args), 0
 
 
