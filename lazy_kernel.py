@@ -2351,8 +2351,8 @@ def _fused_primitives():
         ]
 
     def tangent_jvp(primals, tangents, **params):
-        tangents = [ad.instantiate_zeros(t) for t in tangents]
-        return jax.jvp(functools.partial(tangent_of, **params), primals, tangents)
+        tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
+        return jax.jvp(functools.partial(tangent_of, **params), tuple(primals), tangents)
 
     for primitive, impl in ((product, _fused_value), (tangent, tangent_of)):
         primitive.def_impl(impl)

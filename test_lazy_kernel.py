@@ -2292,6 +2292,46 @@ def test_fused_gradients_as_accurate_as_the_vmap_form(name, dim, monkeypatch):
             assert error <= 4 * vmap_error + 16 * eps * scale, (data_name, what, error, vmap_error, scale)
 
 
+@FUSED_ON_CPU
+def test_fused_derivatives_match_the_vmap_form(monkeypatch):
+    """The fused primitive's rules (a TPU faked, Pallas interpreted), under jit, against the dense vmap form:
+    forward mode, the hessian (reverse and forward over forward), the gradient of a jvp, vmap of the gradient,
+    grad of grad, w @ K's gradient and a 3-column operand's (today's vjp behind the fused product)."""
+    monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.normal(size=(96, 16)), jnp.float32)
+    v, w = (jnp.asarray(rng.uniform(-0.25, 1, size=shape), jnp.float32) for shape in ((96,), (96, 3)))
+    ls = jnp.float32(2.3)
+
+    def loss(ls, x, v, form="fused", left=False):
+        k = (
+            lazy_kernel._vmap_block(RBF(ls, 1.3), x, x)
+            if form == "vmap"
+            else LazyKernel(RBF(ls, 1.3), x, x, batch_size=32, checkpoint=True)
+        )
+        return jnp.sum(jnp.sin(v @ k if left else k @ v))
+
+    def check(derivative, *args, **kwargs):
+        fused = functools.partial(derivative(functools.partial(loss, **kwargs)), *args)
+        assert pallas_calls(jax.make_jaxpr(fused)().jaxpr)  # the fused form runs
+        got, want = (
+            jax.jit(f)()
+            for f in (fused, functools.partial(derivative(functools.partial(loss, form="vmap", **kwargs)), *args))
+        )
+        for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(b))))
+
+    tangents = (jnp.float32(0.3), jnp.asarray(rng.normal(size=x.shape), jnp.float32), jnp.ones_like(v))
+    check(lambda f: lambda *a: jax.jvp(f, a, tangents), ls, x, v)
+    check(lambda f: jax.hessian(f), ls, x, v)
+    check(lambda f: jax.jacfwd(jax.jacfwd(f)), ls, x, v)  # forward over forward: the tangent's own jvp
+    check(lambda f: jax.grad(lambda *a: jax.jvp(f, a, tangents)[1], argnums=(0, 1)), ls, x, v)
+    check(lambda f: lambda ls, x, vs: jax.vmap(jax.grad(f, argnums=(0, 1)), (None, None, 0))(ls, x, vs), ls, x, w.T)
+    check(lambda f: jax.grad(lambda ls, x, v: jnp.sum(jax.grad(f, argnums=1)(ls, x, v) ** 2)), ls, x, v)
+    check(lambda f: jax.grad(f, argnums=(0, 1, 2)), ls, x, v, left=True)
+    check(lambda f: jax.grad(f, argnums=(0, 1, 2)), ls, x, w)
+
+
 def fused_rule(kernel, x1, x2=None):
     """The fused form's reading of ``kernel`` on x1 and x2 (default x1): its _fusion, and whether the rule vouches,
     by digit count."""
