@@ -13,6 +13,7 @@
     python bench_lazy_kernel.py --accelerator-blocks 32768  # off the CPU: blocks by size, D = 3 to 256
     python bench_lazy_kernel.py --accelerator-features 32768  # off the CPU: features written out against vmap
     python bench_lazy_kernel.py --fused 32768    # off the CPU: fused products (one lengthscale) by D
+    python bench_lazy_kernel.py --fused-gradient 16384  # off the CPU: their checkpointed gradients by D
     python bench_lazy_kernel.py                  # all nine at those sizes (not the accelerator tables)
 
 The constants in lazy_kernel.py's plan, and what these modes measured for them:
@@ -604,6 +605,25 @@ def fused_table(n, gpjax):
         print(f"| {dim} | {' | '.join(cells)} |", flush=True)
 
 
+def fused_gradient_table(n, gpjax):
+    """Off the CPU: the checkpointed gradient of sum(sin(K @ v)) in (lengthscale, points, v) at one scalar
+    lengthscale, fused where layer 7 takes it, against the same RBF with FUSED_PRODUCT off and the GEMM RBF, by D."""
+    print(f"\n## Fused gradients (layer 7), lengthscale sqrt(D / 3), float32, M = N = {n}: ms, ratios to the GEMM's\n")
+    names = ["inexact GEMM RBF", "lazy_kernel.RBF", "RBF, FUSED_PRODUCT off"] + ["GPJax Matern52"] * (gpjax is not None)
+    print(f"| D | {' | '.join(names)} |")
+    print("|---" * (len(names) + 1) + "|")
+    for dim in (16, 32, 64, 128, 256):
+        rng = np.random.default_rng(0)
+        x, v = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((n, dim), n))
+        makes = [GemmRBF, lambda ls: RBF(ls, jnp.float32(1.3))]
+        if gpjax is not None:
+            makes.append(lambda ls: gpjax.kernels.Matern52(lengthscale=ls, variance=jnp.float32(1.3)))
+        functions = gradients(makes)
+        functions.insert(2, traced_with(functions[1], FUSED_PRODUCT=False))
+        seconds = median_times(functions, (jnp.float32(np.sqrt(dim / 3)), x, v))
+        print(f"| {dim} | {' | '.join(f'{t * 1e3:.1f} ({t / seconds[0]:.2f})' for t in seconds)} |", flush=True)
+
+
 def machine():
     device = jax.devices()[0]
     cpu = platform.machine()
@@ -635,6 +655,7 @@ def main():
     parser.add_argument("--accelerator-blocks", type=int, metavar="N")
     parser.add_argument("--accelerator-features", type=int, metavar="N")
     parser.add_argument("--fused", type=int, metavar="N")
+    parser.add_argument("--fused-gradient", type=int, metavar="N")
     args = parser.parse_args()
     if not any(vars(args).values()):
         vars(args).update(CPU_TABLES)
@@ -670,6 +691,8 @@ def main():
         accelerator_features_table(args.accelerator_features, gpjax)
     if args.fused:
         fused_table(args.fused, gpjax)
+    if args.fused_gradient:
+        fused_gradient_table(args.fused_gradient, gpjax)
 
 
 if __name__ == "__main__":
