@@ -2256,8 +2256,6 @@ def test_fused_gradients_as_accurate_as_the_vmap_form(name, dim, monkeypatch):
     16 eps of the scale, on N(0, 1), points 1000 out, near-duplicates, a tight cluster and two far apart (every
     pair of weight a near one); the backward's kernels run (one per digit count)."""
     monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
-    make, _ = FUSED_KERNELS[name]
-    eps = float(jnp.finfo(jnp.float32).eps)
     ls = float(np.float32(np.sqrt(dim / 3)))
     rng = np.random.default_rng(dim)
     base = rng.normal(size=(160, dim))
@@ -2268,6 +2266,14 @@ def test_fused_gradients_as_accurate_as_the_vmap_form(name, dim, monkeypatch):
         "cluster": base * 1e-3 * ls,
         "two clusters": base * 1e-3 * ls + np.where(np.arange(160) < 80, -1.5, 1.5)[:, None] * ls,  # near pairs only
     }
+    assert_fused_gradients_as_accurate(name, data, ls, rng)
+
+
+def assert_fused_gradients_as_accurate(name, data, ls, rng):
+    """The checkpointed gradient of sum(sin(K @ v)) for the kernel ``name`` of FUSED_KERNELS at lengthscale ``ls``
+    on each data set of ``data`` (name -> points [n, D], one shape), v drawn from ``rng``: against NumPy float64,
+    within 4x the vmap form's error plus 16 eps of the scale; the backward's kernels are in the program."""
+    make, eps = FUSED_KERNELS[name][0], float(jnp.finfo(jnp.float32).eps)
 
     def loss(ls, x, v, form):
         k = (
@@ -2290,6 +2296,21 @@ def test_fused_gradients_as_accurate_as_the_vmap_form(name, dim, monkeypatch):
         for what, got, vmap, truth, scale in zip(("ls", "x", "v"), fused, vmapped, truths, scales, strict=True):
             error, vmap_error = (np.max(np.abs(np.asarray(a, np.float64) - truth)) for a in (got, vmap))
             assert error <= 4 * vmap_error + 16 * eps * scale, (data_name, what, error, vmap_error, scale)
+
+
+@FUSED_ON_CPU
+@pytest.mark.parametrize("real_set", ["digits", "breast_cancer"])
+def test_fused_gradients_on_real_data(real_set, monkeypatch):
+    """The test above on scikit-learn's digits (D = 64) and breast cancer (D = 30), standardised: 150 rows and
+    10 of them again (distance zero), at lengthscales 1 and sqrt(D)."""
+    monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
+    datasets = pytest.importorskip("sklearn.datasets", reason="scikit-learn is in the 'real' extra")
+    data = getattr(datasets, f"load_{real_set}")().data
+    rng = np.random.default_rng(len(real_set))
+    rows = rng.choice(len(data), 150, replace=False)
+    x = ((data - data.mean(0)) / np.maximum(data.std(0), 1e-12))[np.concatenate([rows, rows[:10]])]
+    for ls in (1.0, float(np.float32(np.sqrt(x.shape[1])))):
+        assert_fused_gradients_as_accurate("rbf-module", {real_set: x}, ls, rng)
 
 
 @FUSED_ON_CPU
