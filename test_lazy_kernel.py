@@ -14,6 +14,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import importlib.util
 import os
 import socket
 import subprocess
@@ -1893,6 +1894,15 @@ def assert_as_accurate_on_accuracy_data(name, dim, dtype, x64, factors=None):
 REAL_SETS = ("digits", "breast_cancer", "diabetes")
 
 
+def real_data(name):
+    """The features of scikit-learn's bundled data set ``name``; where scikit-learn is missing (a chip with no
+    package registry), the array ``name`` of the .npz that REAL_DATA_NPZ names, if set; else the test skips."""
+    if os.environ.get("REAL_DATA_NPZ") and importlib.util.find_spec("sklearn") is None:
+        return np.load(os.environ["REAL_DATA_NPZ"])[name]
+    datasets = pytest.importorskip("sklearn.datasets", reason="scikit-learn is in the 'real' extra")
+    return getattr(datasets, f"load_{name}")().data
+
+
 @ON_ACCELERATORS
 @pytest.mark.parametrize("dtype, x64", [(jnp.float32, True), (jnp.float32, False), (jnp.float64, True)])
 @pytest.mark.parametrize("real_set", REAL_SETS)
@@ -1901,8 +1911,7 @@ def test_as_accurate_as_the_vmap_form_on_real_data(name, real_set, dtype, x64, d
     """The test above on scikit-learn's bundled data sets, as they come (digits: integers, many equal; breast
     cancer: features from 1e-3 to 4e3), lengthscales each feature's spread times sqrt(D): 24 random rows, 6 of
     them again (distance zero), and the nearest other row of 14 more."""
-    datasets = pytest.importorskip("sklearn.datasets", reason="scikit-learn is in the 'real' extra")
-    data = getattr(datasets, f"load_{real_set}")().data
+    data = real_data(real_set)
     rng = np.random.default_rng(len(real_set))
     ls = np.maximum(data.std(0), 1e-3 * data.std()) * np.sqrt(data.shape[1])  # digits has constant features
     x1 = data[rng.choice(len(data), 24, replace=False)]
@@ -2304,8 +2313,7 @@ def test_fused_gradients_on_real_data(real_set, monkeypatch):
     """The test above on scikit-learn's digits (D = 64) and breast cancer (D = 30), standardised: 150 rows and
     10 of them again (distance zero), at lengthscales 1 and sqrt(D)."""
     monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
-    datasets = pytest.importorskip("sklearn.datasets", reason="scikit-learn is in the 'real' extra")
-    data = getattr(datasets, f"load_{real_set}")().data
+    data = real_data(real_set)
     rng = np.random.default_rng(len(real_set))
     rows = rng.choice(len(data), 150, replace=False)
     x = ((data - data.mean(0)) / np.maximum(data.std(0), 1e-12))[np.concatenate([rows, rows[:10]])]
