@@ -2305,8 +2305,13 @@ def _fused_cotangents(backward, given, ct, rows, cols, rhs, *consts):
         return (ct_rows, ct_cols[:n], ct_rhs[:n], *ct_consts)
 
     branches = [functools.partial(fused, *a) for a in zip(backward.back, packed, numbers, strict=True)]
-    by_fallback = lambda: jax.vjp(backward.fallback, rows, cols, rhs, *consts)[1](ct)  # noqa: E731
+    by_fallback = functools.partial(_fallback_cotangents, backward.fallback, ct, rows, cols, rhs, *consts)
     return tuple(jax.lax.switch(_first_vouched(vouched), [*branches, by_fallback]))
+
+
+def _fallback_cotangents(fallback, ct, *primals):
+    """The cotangents of ``fallback`` (today's form) at ``primals`` for the output's cotangent ``ct``."""
+    return jax.vjp(fallback, *primals)[1](ct)
 
 
 @_fused_cotangents.defjvp
@@ -2314,8 +2319,7 @@ def _fused_cotangents_jvp(backward, primals, tangents):
     """Second order by the fallback's: the derivative of its vjp."""
     _, *primals = primals
     _, *tangents = tangents
-    vjp = lambda ct, *args: jax.vjp(backward.fallback, *args)[1](ct)  # noqa: E731
-    return jax.jvp(vjp, primals, tangents)
+    return jax.jvp(functools.partial(_fallback_cotangents, backward.fallback), primals, tangents)
 
 
 @functools.cache
@@ -2336,7 +2340,7 @@ def _fused_primitives():
         value = product.bind(*operands, forms=forms, fallback=fallback, tree=tree, count=count)
         linear = tuple(ad.instantiate_zeros(t) for t in tangents[:count])
         if forms[1] is None:
-            return value, jax.jvp(fallback, operands[:count], linear)[1]
+            return value, tangent_of(*operands, *linear, fallback=fallback, backward=None, count=count)
         backward = functools.partial(forms[1], tree)
         return value, tangent.bind(*operands, *linear, fallback=fallback, backward=backward, count=count)
 
