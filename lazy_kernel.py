@@ -2233,6 +2233,7 @@ def _fused_rows_times(kernel, x1, x2, rhs, transposed, plan, rows_times, budget)
     n, width, dim = x2.shape[0], rhs.shape[1], x1.shape[1]
     packings = [_fused_chunks(dim, digits) for digits in DIGIT_COUNTS]
     digit_bytes = sum((c[-1].offset + c[-1].padded) * n * (2 if variant == "bf16" else 1) for variant, c in packings)
+    digit_bytes += 4 * dim * n * len(DIGIT_COUNTS) * (width == 1 and dim <= FUSED_BACKWARD_FEATURES_MAX)  # moves
     if rhs.dtype != jnp.float32 or not (0 < width <= FUSED_WIDTH_MAX and n and x1.shape[0]) or digit_bytes > budget / 2:
         return rows_times
     example = (x2[0], x1[0]) if transposed else (x1[0], x2[0])
