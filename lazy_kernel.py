@@ -1712,9 +1712,10 @@ def _peak_key(op, width, dtype):
 # order, is today's form's. Reverse mode of K @ v (one operand column) runs a second Pallas kernel per block
 # (_fused_backward_kernel): d^2 as above gives K, tail' and the tail's constants' cotangents; the points'
 # cotangents sum C tail' 2 s^2 (x_i - y_j) per feature on the vector unit, the differences taken pair by pair
-# (nothing cancels), and the cotangent of s^2 sums C tail' |x - y|^2 of those differences. It runs where the rule
-# vouches with lambda bounding |tail'' / tail'| too, up to D = FUSED_BACKWARD_FEATURES_MAX; elsewhere, and for
-# wider operands, today's form's vjp.
+# (nothing cancels). The cotangent of s^2, sum C tail' |x - y|^2, is the grid's d^2 corrected by the grid's moves
+# against the points' cotangents; where pairs nearer than the grid's step carry its weight, a second pass sums the
+# differences' squares (_fused_cotangents). It runs where the rule vouches with lambda bounding |tail'' / tail'|
+# too, up to D = FUSED_BACKWARD_FEATURES_MAX; elsewhere, and for wider operands, today's form's vjp.
 
 DIGIT_COUNTS = (3, 4)  # signed 8-bit digits per coordinate: the fewest the rule vouches for
 FUSED_TILE = (512, 1024)  # rows and columns of K per step of the Pallas kernel (rows: a multiple of 32)
@@ -1792,13 +1793,27 @@ def _grid(x1, x2):
     return centre, jnp.maximum(reach * jnp.float32(1 + 2**-22), jnp.float32(2**-100))  # rounded up
 
 
-def _digits(points, grid, count):
-    """Float32 points [n, D] on ``grid``'s m + r h, h = R 2^(2 - 8 count): [count, n, D] int8 digits of r, top
-    first. In float64 r is within 2^-22 of (x - m) / h before it is rounded, and |r| <= 2^(8 count - 2)."""
+def _grid_integers(points, grid, count):
+    """r of float32 points [n, D] on ``grid``'s m + r h, h = R 2^(2 - 8 count) (int32). In float64 r is within
+    2^-22 of (x - m) / h before it is rounded, and |r| <= 2^(8 count - 2)."""
     centre, reach = grid
     with _float64():
         scale = jnp.float64(2.0 ** (8 * count - 2)) / reach.astype(jnp.float64)
-        r = jnp.round((points.astype(jnp.float64) - centre.astype(jnp.float64)) * scale).astype(jnp.int32)
+        return jnp.round((points.astype(jnp.float64) - centre.astype(jnp.float64)) * scale).astype(jnp.int32)
+
+
+def _grid_moves(points, grid, count):
+    """x - (m + r h): how far the grid moves float32 points [n, D] (float32, taken in float64)."""
+    centre, reach = grid
+    with _float64():
+        step = reach.astype(jnp.float64) * 2.0 ** (2 - 8 * count)
+        on_grid = centre.astype(jnp.float64) + _grid_integers(points, grid, count).astype(jnp.float64) * step
+        return (points.astype(jnp.float64) - on_grid).astype(jnp.float32)
+
+
+def _digits(points, grid, count):
+    """Float32 points [n, D] on ``grid`` (_grid_integers): [count, n, D] int8 digits of r, top first."""
+    r = _grid_integers(points, grid, count)
     digits = []
     for _ in range(count):
         low = ((r + 128) & 255) - 128  # r = 256 q + low
@@ -1966,13 +1981,13 @@ def _fused_kernel(tail, chunks, variant, width, *refs):
         )
 
 
-def _fused_backward_kernel(tail, chunks, variant, refs):
+def _fused_backward_kernel(tail, chunks, variant, squares, refs):
     """One tile of a block's cotangents, for ``K @ v`` with cotangent ct: d^2 exactly as the product has it, K
     and C tail'(d^2) (C = ct_i v_j) by the tail's own derivative; then per feature, the differences pair by pair
     (no cancellation): row sums of A (x_i - y_j), column sums of -A (x_i - y_j), A = 2 s^2 C tail';
-    column sums of ct K; and the tile's sums of C tail' |x - y|^2 (the differences' squares: the cotangent of s^2,
-    as the vmap form has it, where the grid's d^2 would move a near pair's by much of itself) and of C dtail/dc for
-    each constant c of the tail."""
+    column sums of ct K; and the tile's sums of C dtail/dc for each constant c of the tail, after three for the
+    cotangent of s^2: with ``squares``, of C tail' |x - y|^2 (the differences' squares, as the vmap form has it);
+    else of C tail' d^2, |C tail'| and |C tail'| d^2 on the grid (see _fused_cotangents)."""
     numbers, rows, row_norms, cols, col_norms, x, yt, ct, v, g1, g2, gv, gs = refs
     levels, constants = chunks[-1].level + 1, len(tail.constvars)
     d2 = _tile_squared_distances(rows, row_norms, cols, col_norms, numbers, chunks, variant)
@@ -1989,10 +2004,10 @@ def _fused_backward_kernel(tail, chunks, variant, refs):
         g1[...] = jnp.zeros_like(g1)
 
     gv[...] = jnp.sum(ct[...] * k, 0, keepdims=True)[None]
-    columns, squares = [], 0.0
+    columns, summed = [], 0.0
     for feature in range(x.shape[1]):
         difference = x[:, feature : feature + 1] - yt[feature : feature + 1, :]
-        squares = squares + difference * difference
+        summed = summed + difference * difference if squares else summed
         products = a * difference
         lanes = products[:, :128]
         for lane in range(128, products.shape[1], 128):
@@ -2000,15 +2015,21 @@ def _fused_backward_kernel(tail, chunks, variant, refs):
         g1[:, feature : feature + 1] += jnp.sum(lanes, 1, keepdims=True)
         columns.append(-jnp.sum(products, 0, keepdims=True))
     g2[...] = jnp.concatenate(columns, 0)[None]
-    sums = [jnp.sum(by_d2 * squares), *(jnp.sum(c) for c in by_consts)]
+    weights = jnp.abs(by_d2)
+    by_s2 = (
+        [jnp.sum(by_d2 * summed), 0.0, 0.0]
+        if squares
+        else [jnp.sum(by_d2 * d2), jnp.sum(weights), jnp.sum(weights * d2)]
+    )
+    sums = [*by_s2, *(jnp.sum(c) for c in by_consts)]
     gs[...] = jnp.concatenate([jnp.broadcast_to(total, (1, 128)) for total in sums], 1)[None, None]
 
 
-def _fused_backward(rows, cols, points, operand, ct, numbers, s2, tail, plan, digits):
+def _fused_backward(rows, cols, points, operand, ct, numbers, s2, tail, plan, digits, squares=False):
     """The cotangents of one block's ``K @ v`` (v one column), by the Pallas kernel on ``digits`` digits: of the
-    rows [b, D] and of the columns' ``points`` [N', D] (padded as the packed columns ``cols`` are), of v, and
-    the sums of C tail' |x - y|^2 and of C dtail/dc (C = ct_i v_j). ``operand`` and ``numbers`` as
-    _fused_product's."""
+    rows [b, D] and of the columns' ``points`` [N', D] (padded as the packed columns ``cols`` are), of v, the
+    kernel's three sums for s^2 (``squares`` as _fused_backward_kernel's) and its sums of C dtail/dc
+    (C = ct_i v_j). ``operand`` and ``numbers`` as _fused_product's."""
     pl, pltpu = _pallas()
     (cols, col_norms), (variant, chunks) = cols, _fused_chunks(rows.shape[1], digits)
     _, grid, read = numbers
@@ -2019,12 +2040,12 @@ def _fused_backward(rows, cols, points, operand, ct, numbers, s2, tail, plan, di
     x = _padded(rows, padded)
     packed, row_norms = _packed(_digits(x, grid, digits), chunks, variant, left=True)
     ct = jnp.pad(ct.astype(jnp.float32), ((0, padded - b), (0, 0)))
-    sums = 1 + len(tail.constvars)
+    sums = 3 + len(tail.constvars)
     by_row = lambda shape: pl.BlockSpec(shape, lambda i, j: (i, 0))  # noqa: E731
     by_col = lambda shape: pl.BlockSpec(shape, lambda i, j: (0, j))  # noqa: E731
     with jax.enable_x64(False):
         g1, g2, gv, gs = pl.pallas_call(
-            lambda *refs: _fused_backward_kernel(tail, chunks, variant, refs),
+            lambda *refs: _fused_backward_kernel(tail, chunks, variant, squares, refs),
             grid=tiles,
             in_specs=[
                 pl.BlockSpec(memory_space=pltpu.SMEM),
@@ -2055,7 +2076,7 @@ def _fused_backward(rows, cols, points, operand, ct, numbers, s2, tail, plan, di
             interpret=plan.interpret,
         )(jnp.concatenate([read, jnp.stack([s2])]), packed, row_norms, cols, col_norms, x, points.T, ct, operand[0])
     totals = jnp.sum(gs.reshape(-1, sums, 128)[:, :, 0], 0)
-    return g1[:b], g2.sum(0).T, gv.sum((0, 1))[:, None], totals[0], totals[1:]
+    return g1[:b], g2.sum(0).T, gv.sum((0, 1))[:, None], totals[:3], totals[3:]
 
 
 def _bf16_pieces(x):
@@ -2212,6 +2233,7 @@ def _fused_rows_times(kernel, x1, x2, rhs, transposed, plan, rows_times, budget)
     n, width, dim = x2.shape[0], rhs.shape[1], x1.shape[1]
     packings = [_fused_chunks(dim, digits) for digits in DIGIT_COUNTS]
     digit_bytes = sum((c[-1].offset + c[-1].padded) * n * (2 if variant == "bf16" else 1) for variant, c in packings)
+    digit_bytes += 4 * dim * n * len(DIGIT_COUNTS) * (width == 1 and dim <= FUSED_BACKWARD_FEATURES_MAX)  # moves
     if rhs.dtype != jnp.float32 or not (0 < width <= FUSED_WIDTH_MAX and n and x1.shape[0]) or digit_bytes > budget / 2:
         return rows_times
     example = (x2[0], x1[0]) if transposed else (x1[0], x2[0])
@@ -2239,12 +2261,13 @@ def _fused_rows_times(kernel, x1, x2, rhs, transposed, plan, rows_times, budget)
         step, _, _, _, tail_consts = _fusion(lambda x, y: pair(x, y, *consts), *zeros, transposed, plan)
         return step * step, tail_consts
 
-    backward, backward_vouched = None, ()
+    backward, backward_vouched, moves = None, (), ()
     if width == 1 and dim <= FUSED_BACKWARD_FEATURES_MAX:
         back = [functools.partial(_fused_backward, tail=fusion[3], plan=plan, digits=d) for d in DIGIT_COUNTS]
         backward = _FusedBackward(tuple(back), scalars, fallback)
         backward_vouched = tuple(v for v, _, _ in _fused_numbers(grid, fusion, dim, derivative=True))
-    given = tuple(packed), _fused_operand(rhs, columns), numbers, points, backward_vouched
+        moves = tuple(_grid_moves(points, g, d) for d, (_, g, _) in zip(DIGIT_COUNTS, numbers, strict=True))
+    given = tuple(packed), _fused_operand(rhs, columns), numbers, points, backward_vouched, moves
     return lambda rows: _fused_or_fallback((fused, backward), fallback, given, rows, x2, rhs, *consts)
 
 
@@ -2294,17 +2317,38 @@ class _FusedBackward(NamedTuple):
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _fused_cotangents(backward, given, ct, rows, cols, rhs, *consts):
-    """The block's cotangents by the first fused backward whose numbers vouch, else by the fallback's vjp."""
-    packed, operand, numbers, points, vouched = given
+    """The block's cotangents by the first fused backward whose numbers vouch, else by the fallback's vjp.
+
+    The cotangent of s^2, sum C tail' |x - y|^2, from the grid: with e the grid's moves (x = x~ + e),
+    |x - y|^2 = |x~ - y~|^2 + 2 (x - y).(e_x - e_y) - |e_x - e_y|^2. The middle term's sum is the moves against the
+    points' cotangents; the last is at most D h^2 a pair. Where that bound is over 4 eps of sum |C tail'| d^2 (a
+    quarter of the contract's 16), as for pairs nearer than the grid's step, the differences' squares are summed
+    instead, in a second pass."""
+    packed, operand, numbers, points, vouched, moves = given
     n = cols.shape[0]
     (s2, tail_consts), by_scalars = jax.vjp(backward.scalars, *consts)
+    eps = float(jnp.finfo(jnp.float32).eps)
 
-    def fused(back, cols_packed, numbers):
-        ct_rows, ct_cols, ct_rhs, by_s2, by_tail = back(rows, cols_packed, points, operand, ct, numbers, s2)
+    def fused(back, digits, cols_packed, numbers, col_moves):
+        ct_rows, ct_cols, ct_rhs, (on_grid, weights, weighted), by_tail = back(
+            rows, cols_packed, points, operand, ct, numbers, s2
+        )
+        row_moves = _grid_moves(rows, numbers[1], digits)
+        from_grid = (on_grid + jnp.sum(row_moves * ct_rows) + jnp.sum(col_moves * ct_cols)) / s2
+        with _float64():
+            step = numbers[1][1].astype(jnp.float64) * 2.0 ** (2 - 8 * digits)
+            bound = rows.shape[1] * s2.astype(jnp.float64) * step * step * weights.astype(jnp.float64)
+            near = ~(bound < 4 * eps * weighted.astype(jnp.float64))
+        squares = functools.partial(back, squares=True)
+        by_s2 = jax.lax.cond(
+            near, lambda: squares(rows, cols_packed, points, operand, ct, numbers, s2)[3][0], lambda: from_grid
+        )
         ct_consts = by_scalars((by_s2, list(by_tail[: len(tail_consts)])))
         return (ct_rows, ct_cols[:n], ct_rhs[:n], *ct_consts)
 
-    branches = [functools.partial(fused, *a) for a in zip(backward.back, packed, numbers, strict=True)]
+    branches = [
+        functools.partial(fused, *a) for a in zip(backward.back, DIGIT_COUNTS, packed, numbers, moves, strict=True)
+    ]
     by_fallback = functools.partial(_fallback_cotangents, backward.fallback, ct, rows, cols, rhs, *consts)
     return tuple(jax.lax.switch(_first_vouched(vouched), [*branches, by_fallback]))
 

@@ -2132,7 +2132,7 @@ def test_fused_kernel_is_one_mosaic_takes(dim, width, monkeypatch):
         x, v = jnp.ones((512, dim), jnp.float32), jnp.ones((512, width), jnp.float32)
         calls = pallas_calls(jax.make_jaxpr(product)(x, v).jaxpr)
         backward = width == 1 and dim <= lazy_kernel.FUSED_BACKWARD_FEATURES_MAX
-        assert len(calls) == len(lazy_kernel.DIGIT_COUNTS) * (3 if backward else 2)  # product, gradient's, backward
+        assert len(calls) == len(lazy_kernel.DIGIT_COUNTS) * (4 if backward else 2)  # product, gradient's, backward's 2
         maps = [str(m.index_map_jaxpr) for call in calls for m in call.params["grid_mapping"].block_mappings]
         exported = jax.export.export(jax.jit(lambda *a: product(*a)), platforms=["tpu"])  # not make_jaxpr's trace
         plan = lazy_kernel.block_plan
@@ -2274,6 +2274,7 @@ def test_fused_gradients_as_accurate_as_the_vmap_form(name, dim, monkeypatch):
         "near-duplicates": np.concatenate([base[:80], base[:80] + rng.normal(size=(80, dim)) * 1e-3]),
         "cluster": base * 1e-3 * ls,
         "two clusters": base * 1e-3 * ls + np.where(np.arange(160) < 80, -1.5, 1.5)[:, None] * ls,  # near pairs only
+        "twins": twins(base[:80], ls),  # see below
     }
     assert_fused_gradients_as_accurate(name, data, ls, rng)
 
@@ -2298,7 +2299,7 @@ def assert_fused_gradients_as_accurate(name, data, ls, rng):
         x = np.asarray(x, np.float32)
         v = np.asarray(rng.uniform(-0.25, 1, size=len(x)), np.float32)
         args = (jnp.float32(ls), jnp.asarray(x), jnp.asarray(v))
-        assert len(pallas_calls(jax.make_jaxpr(gradients[0])(*args).jaxpr)) == 2 * len(lazy_kernel.DIGIT_COUNTS)
+        assert len(pallas_calls(jax.make_jaxpr(gradients[0])(*args).jaxpr)) == 3 * len(lazy_kernel.DIGIT_COUNTS)
         with as_users_compile():
             fused, vmapped = (gradient(*args) for gradient in compiled)
         truths, scales = gradient_oracle(x, v, ls, 1.3, "rbf" if name.startswith("rbf") else "matern52")
@@ -2358,6 +2359,34 @@ def test_fused_derivatives_match_the_vmap_form(monkeypatch):
     check(lambda f: jax.grad(lambda ls, x, v: jnp.sum(jax.grad(f, argnums=1)(ls, x, v) ** 2)), ls, x, v)
     check(lambda f: jax.grad(f, argnums=(0, 1, 2)), ls, x, v, left=True)
     check(lambda f: jax.grad(f, argnums=(0, 1, 2)), ls, x, w)
+
+
+def twins(base, ls):
+    """Points spread over +-3.5 lengthscales (3 digits: a step of 2 to 4 float32 ulps), each with a twin one ulp
+    away in every feature, every other pair far apart: the weight of s^2's cotangent on pairs nearer than the
+    grid's step."""
+    spread = np.float32(3.5 * ls) * np.clip(base, -1, 1).astype(np.float32)
+    return np.concatenate([spread, np.nextafter(spread, np.float32(np.inf))])
+
+
+@FUSED_ON_CPU
+def test_fused_backward_sums_squares_only_for_pairs_nearer_than_the_grid(monkeypatch):
+    """The cotangent of s^2 comes from the grid and the grid's moves on N(0, 1) and on two tight clusters far
+    apart; from the differences' squares (a second pass, here made NaN) on twins one ulp apart (see twins)."""
+    monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
+    backward = lazy_kernel._fused_backward
+
+    def no_squares(*args, squares=False, **kwargs):
+        out = backward(*args, squares=squares, **kwargs)
+        return (*out[:3], out[3] * jnp.nan, out[4]) if squares else out
+
+    monkeypatch.setattr(lazy_kernel, "_fused_backward", no_squares)
+    base, ls = np.random.default_rng(0).normal(size=(160, 16)), 2.3
+    loss = lambda ls, x: jnp.sum(jnp.sin(LazyKernel(RBF(ls, 1.3), x, x, batch_size=32, checkpoint=True) @ x[:, 0]))  # noqa: E731
+    gradient = jax.jit(jax.grad(loss))
+    clusters = base * 1e-3 * ls + np.where(np.arange(160) < 80, -1.5, 1.5)[:, None] * ls
+    for points, squares in ((base, False), (clusters, False), (twins(base[:80], ls), True)):
+        assert np.isnan(gradient(jnp.float32(ls), jnp.asarray(points, jnp.float32))) == squares
 
 
 def fused_rule(kernel, x1, x2=None):
