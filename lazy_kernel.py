@@ -249,7 +249,7 @@ GEMM_FEATURES_MIN = 128  # below it, too many pairs a GEMM cannot vouch for: the
 WIDE_GEMM_FEATURES_MIN = 8  # on CPU, the float64 GEMM beats the loop from here
 FUSED_FEATURES_MIN = 16  # on a TPU, the fused product (layer 7) from here: at D = 3 today's form took 0.24x its time
 FUSED_WIDTH_MAX = 64  # operand columns the fused product takes; a wider operand gets today's form
-FUSED_BACKWARD_FEATURES_MAX = 64  # the fused backward to here (v5e: 1.26x the GEMM's gradient at 16, 3.2x at 64);
+FUSED_BACKWARD_FEATURES_MAX = 64  # the fused backward to here (v5e: 1.14x the GEMM's gradient at 16, 2.25x at 64);
 # above, today's vjp (the backward's work grows with D; Mosaic had not compiled it at D = 256 after 200 s)
 FUSED_INT8_FEATURES_MIN = 128  # fused digits in int8 from here (half bf16's matrix-unit time, more vector work)
 CONTRACTION_CHUNK = 2048  # a TPU's matrix unit sums this many float32 terms within 2 eps (see _chunked_contract)
@@ -1802,12 +1802,16 @@ def _grid_integers(points, grid, count):
         return jnp.round((points.astype(jnp.float64) - centre.astype(jnp.float64)) * scale).astype(jnp.int32)
 
 
+def _grid_step(grid, count):
+    """h = R 2^(2 - 8 count), the step of ``grid`` (_grid) for ``count`` digits, in float64 (inside _float64)."""
+    return grid[1].astype(jnp.float64) * 2.0 ** (2 - 8 * count)
+
+
 def _grid_moves(points, grid, count):
     """x - (m + r h): how far the grid moves float32 points [n, D] (float32, taken in float64)."""
-    centre, reach = grid
     with _float64():
-        step = reach.astype(jnp.float64) * 2.0 ** (2 - 8 * count)
-        on_grid = centre.astype(jnp.float64) + _grid_integers(points, grid, count).astype(jnp.float64) * step
+        step = _grid_step(grid, count)
+        on_grid = grid[0].astype(jnp.float64) + _grid_integers(points, grid, count).astype(jnp.float64) * step
         return (points.astype(jnp.float64) - on_grid).astype(jnp.float32)
 
 
@@ -2233,7 +2237,8 @@ def _fused_rows_times(kernel, x1, x2, rhs, transposed, plan, rows_times, budget)
     n, width, dim = x2.shape[0], rhs.shape[1], x1.shape[1]
     packings = [_fused_chunks(dim, digits) for digits in DIGIT_COUNTS]
     digit_bytes = sum((c[-1].offset + c[-1].padded) * n * (2 if variant == "bf16" else 1) for variant, c in packings)
-    digit_bytes += 4 * dim * n * len(DIGIT_COUNTS) * (width == 1 and dim <= FUSED_BACKWARD_FEATURES_MAX)  # moves
+    fused_backward = width == 1 and dim <= FUSED_BACKWARD_FEATURES_MAX
+    digit_bytes += 4 * dim * n * len(DIGIT_COUNTS) * fused_backward  # the columns' grid moves
     if rhs.dtype != jnp.float32 or not (0 < width <= FUSED_WIDTH_MAX and n and x1.shape[0]) or digit_bytes > budget / 2:
         return rows_times
     example = (x2[0], x1[0]) if transposed else (x1[0], x2[0])
@@ -2262,7 +2267,7 @@ def _fused_rows_times(kernel, x1, x2, rhs, transposed, plan, rows_times, budget)
         return step * step, tail_consts
 
     backward, backward_vouched, moves = None, (), ()
-    if width == 1 and dim <= FUSED_BACKWARD_FEATURES_MAX:
+    if fused_backward:
         back = [functools.partial(_fused_backward, tail=fusion[3], plan=plan, digits=d) for d in DIGIT_COUNTS]
         backward = _FusedBackward(tuple(back), scalars, fallback)
         backward_vouched = tuple(v for v, _, _ in _fused_numbers(grid, fusion, dim, derivative=True))
@@ -2336,7 +2341,7 @@ def _fused_cotangents(backward, given, ct, rows, cols, rhs, *consts):
         row_moves = _grid_moves(rows, numbers[1], digits)
         from_grid = (on_grid + jnp.sum(row_moves * ct_rows) + jnp.sum(col_moves * ct_cols)) / s2
         with _float64():
-            step = numbers[1][1].astype(jnp.float64) * 2.0 ** (2 - 8 * digits)
+            step = _grid_step(numbers[1], digits)
             bound = rows.shape[1] * s2.astype(jnp.float64) * step * step * weights.astype(jnp.float64)
             near = ~(bound < 4 * eps * weighted.astype(jnp.float64))
         squares = functools.partial(back, squares=True)

@@ -2262,8 +2262,8 @@ def gradient_oracle(x, v, ls, variance, kernel):
 def test_fused_gradients_as_accurate_as_the_vmap_form(name, dim, monkeypatch):
     """The checkpointed gradient of sum(sin(K @ v)) in the lengthscale, the points and v, by the
     fused backward (a TPU faked, Pallas interpreted): against NumPy float64, within 4x the vmap form's error plus
-    16 eps of the scale, on N(0, 1), points 1000 out, near-duplicates, a tight cluster and two far apart (every
-    pair of weight a near one); the backward's kernels run (one per digit count)."""
+    16 eps of the scale, on N(0, 1), points 1000 out, near-duplicates, a tight cluster, two far apart (every
+    pair of weight a near one) and twins one ulp apart (see twins); the backward's kernels run."""
     monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
     ls = float(np.float32(np.sqrt(dim / 3)))
     rng = np.random.default_rng(dim)
