@@ -4,7 +4,8 @@
     python bench_lazy_kernel.py --real           # the GP gradient on scikit-learn's data sets (the 'real' extra)
     python bench_lazy_kernel.py --first-use 3000 # what measuring a block costs against the compile it guards
     python bench_lazy_kernel.py --split 8192     # feature sums written out against a loop, by D
-    python bench_lazy_kernel.py --blocks 16384   # K @ v by block size; v @ K against K @ v by block kind
+    python bench_lazy_kernel.py --blocks 16384   # K @ v and v @ K by block size
+    python bench_lazy_kernel.py --sides 8192     # both sides (K @ X, X @ K, gradients) for every form of block
     python bench_lazy_kernel.py --gemm 8192      # squared distances by GEMM against the loop, D = 64 to 256
     python bench_lazy_kernel.py --wide 8192      # float32 distances by the float64 GEMM, by D, x64 off and on
     python bench_lazy_kernel.py --chunks 8192    # the loop over features by SUM_CHUNK
@@ -361,22 +362,56 @@ def blocks_table(n):
             f"| {rows} | {rows * n * 4 / 2**20:.1f} | {seconds[i] * 1e3:.0f} | {seconds[len(sizes) + i] * 1e3:.0f} |",
             flush=True,
         )
-    print(f"\n## v @ K against K @ v by how blocks are computed, measured blocks, M = N = {n}, D = 3, float32\n")
-    print("| blocks | K @ v, ms | v @ K, ms | v @ K / K @ v |")
-    print("|---|---|---|---|")
+
+
+def side_kinds(gpjax):
+    """Kernels of every form a block takes (made from lengthscales, one per feature), each with the switches it is
+    traced under: name -> (make, switches)."""
     kinds = {
-        "pair program (lazy_kernel.RBF)": (RBF(0.7), True),
-        "cross_covariance (inexact GEMM RBF)": (GemmRBF(jnp.float32(0.7)), True),
-        "vmap form (lazy_kernel.RBF, PAIR_PROGRAM = False)": (RBF(0.7), False),
+        "vmap form (RBF, PAIR_PROGRAM = False)": (lambda ls: RBF(ls, jnp.float32(1.3)), {"PAIR_PROGRAM": False}),
+        "pair program (RBF)": (lambda ls: RBF(ls, jnp.float32(1.3)), {}),
+        "cross_covariance (inexact GEMM RBF)": (GemmRBF, {}),
+        "one lengthscale (RBF; fused on a TPU from D = 16)": (lambda ls: RBF(jnp.mean(ls), jnp.float32(1.3)), {}),
     }
-    functions = []
-    for kernel, pair_program in kinds.values():
-        for product in (lambda x, v, k=kernel: LazyKernel(k, x, x) @ v, lambda x, v, k=kernel: v @ LazyKernel(k, x, x)):
-            functions.append(traced_with(product, PAIR_PROGRAM=pair_program))
-    seconds = median_times(functions, (x, v))
-    for i, name in enumerate(kinds):
-        right_s, left_s = seconds[2 * i], seconds[2 * i + 1]
-        print(f"| {name} | {right_s * 1e3:.0f} | {left_s * 1e3:.0f} | {left_s / right_s:.2f} |", flush=True)
+    if gpjax is not None:
+        kinds["GPJax Matern52"] = (lambda ls: gpjax.kernels.Matern52(lengthscale=ls, variance=1.3), {})
+    return kinds
+
+
+def sides_table(n, gpjax, dims=(3, 16, 64)):
+    """Both sides of the product for every form a block takes: K @ v against v @ K, K @ X against X @ K (16
+    columns) and their checkpointed gradients (of sum(sin(.)) in the lengthscales, points and operand), so that a
+    change that slows one side shows."""
+    print(f"\n## Both sides, float32: products at M = N = {n}, gradients at {n // 2}; ms, and left / right\n")
+    print("| kernel | D | K @ v, v @ K | K @ X, X @ K (16 columns) | gradients of K @ v, v @ K |")
+    print("|---|---|---|---|---|")
+    right = lambda make: lambda ls, x, r: LazyKernel(make(ls), x, x) @ r  # noqa: E731
+    left = lambda make: lambda ls, x, r: r.T @ LazyKernel(make(ls), x, x)  # noqa: E731
+
+    def gradient(product):
+        return jax.grad(lambda ls, x, r: jnp.sum(jnp.sin(product(ls, x, r))), argnums=(0, 1, 2))
+
+    def checkpointed(make):
+        return lambda ls, x, r: LazyKernel(make(ls), x, x, checkpoint=True) @ r
+
+    def checkpointed_left(make):
+        return lambda ls, x, r: r.T @ LazyKernel(make(ls), x, x, checkpoint=True)
+
+    for dim in dims:
+        rng = np.random.default_rng(0)
+        x = jnp.asarray(rng.normal(size=(n, dim)), jnp.float32)
+        v, wide = (jnp.asarray(rng.normal(size=(n, k)), jnp.float32) for k in (1, 16))
+        ls = lengthscales(dim)
+        for name, (make, switches) in side_kinds(gpjax).items():
+            cells = []
+            for forms, args in (
+                ((right(make), left(make)), (ls, x, v)),
+                ((right(make), left(make)), (ls, x, wide)),
+                ((gradient(checkpointed(make)), gradient(checkpointed_left(make))), (ls, x[: n // 2], v[: n // 2])),
+            ):
+                a, b = median_times([traced_with(f, **switches) for f in forms], args)
+                cells.append(f"{a * 1e3:.1f}, {b * 1e3:.1f} ({b / a:.2f})")
+            print(f"| {name} | {dim} | {' | '.join(cells)} |", flush=True)
 
 
 def unvouched_per_row(x, ls):
@@ -635,7 +670,7 @@ def machine():
 
 
 CPU_TABLES = dict(  # what a run without flags makes: every table but the accelerator ones
-    kernels=8192, first_use=3000, split=8192, blocks=16384, real=True, gemm=8192, wide=8192, chunks=8192, precision=8192
+    kernels=8192, first_use=3000, split=8192, blocks=16384, sides=8192, real=True, gemm=8192, wide=8192, chunks=8192, precision=8192
 )
 
 
@@ -645,6 +680,7 @@ def main():
     parser.add_argument("--first-use", type=int, metavar="N")
     parser.add_argument("--split", type=int, metavar="N")
     parser.add_argument("--blocks", type=int, metavar="N")
+    parser.add_argument("--sides", type=int, metavar="N")
     parser.add_argument("--real", action="store_true")
     parser.add_argument("--real-from", metavar="NPZ", help="--real's data sets from an .npz (no scikit-learn here)")
     parser.add_argument("--gemm", type=int, metavar="N")
@@ -673,6 +709,8 @@ def main():
         split_table(args.split)
     if args.blocks:
         blocks_table(args.blocks)
+    if args.sides:
+        sides_table(args.sides, gpjax)
     if args.real:
         real_table(gpjax, args.real_from)
     if args.gemm:

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib.util
+import inspect
 import os
 import socket
 import subprocess
@@ -57,20 +58,25 @@ def skewed_np(x, y):
 
 @jax.tree_util.register_pytree_node_class
 class SkewedCrossCovariance:
-    """``skewed`` with a ``cross_covariance`` of its own (broadcast, not vmapped): blocks come from it."""
+    """``skewed`` of the points divided by ``scale``, with a ``cross_covariance`` of its own (broadcast, not
+    vmapped): blocks come from it."""
+
+    def __init__(self, scale=1.0):
+        self.scale = scale
 
     def __call__(self, x, y):
-        return skewed(x, y)
+        return skewed(x / self.scale, y / self.scale)
 
     def cross_covariance(self, x1, x2):
+        x1, x2 = x1 / self.scale, x2 / self.scale
         return jnp.exp(-0.5 * jnp.sum((x1[:, None] - x2[None]) ** 2, -1)) * (1.5 + jnp.sin(x1[:, :1]))
 
     def tree_flatten(self):
-        return (), None
+        return (self.scale,), None
 
     @classmethod
     def tree_unflatten(cls, _, children):
-        return cls()
+        return cls(*children)
 
 
 def scaled_laplace(x, y, scale):
@@ -101,6 +107,55 @@ def dense_oracle(kernel_np, x1, x2):
 def rbf_dense_jnp(x1, x2, lengthscale, variance):
     """The dense RBF matrix by broadcasting: the gradient oracle."""
     return variance * jnp.exp(-0.5 * jnp.sum(((x1[:, None] - x2[None]) / lengthscale) ** 2, -1))
+
+
+def pullback_oracle(x1, x2, ls, variance, ct, ct_terms, family="rbf"):
+    """NumPy float64: RBF's (or Matern 3/2's, 5/2's) matrix K(x1, x2) at lengthscales ``ls`` (a scalar or one per
+    feature), and the cotangents of x1, x2, ls and the variance for K's cotangent ``ct`` [M, N], each with its
+    scale: the sum of its terms' magnitudes, ``ct_terms`` [M, N] being the magnitudes of ct's own terms. A dict
+    name -> (value, scale)."""
+    x1, x2, ls, variance, ct, ct_terms = (np.asarray(a, np.float64) for a in (x1, x2, ls, variance, ct, ct_terms))
+    diff = x1[:, None] - x2[None]  # [M, N, D]
+    z = (diff**2 / ls**2).sum(-1)
+    if family == "rbf":
+        shape, slope = np.exp(-0.5 * z), -0.5 * np.exp(-0.5 * z)  # K / variance and its derivative in z
+    elif family == "matern32":
+        r = np.sqrt(3 * z)
+        shape, slope = (1 + r) * np.exp(-r), -1.5 * np.exp(-r)
+    else:
+        r = np.sqrt(5 * z)
+        shape, slope = (1 + r + r * r / 3) * np.exp(-r), -5 / 6 * (1 + r) * np.exp(-r)
+    k = variance * shape
+    by_z, by_z_terms = ct * variance * slope, ct_terms * variance * np.abs(slope)
+    by_x, by_x_terms = (2 * b[..., None] * diff / ls**2 for b in (by_z, by_z_terms))  # [M, N, D], of x1
+    by_ls, by_ls_terms = (-2 * b[..., None] * diff**2 / ls**3 for b in (by_z, by_z_terms))
+    ls_axes = (0, 1) if np.ndim(ls) else (0, 1, 2)
+    return {
+        "K": (k, np.abs(k)),
+        "x1": (by_x.sum(1), np.abs(by_x_terms).sum(1)),
+        "x2": (-by_x.sum(0), np.abs(by_x_terms).sum(0)),
+        "lengthscale": (by_ls.sum(ls_axes), np.abs(by_ls_terms).sum(ls_axes)),
+        "variance": ((ct * shape).sum(), (ct_terms * shape).sum()),
+    }
+
+
+def sin_loss_cotangent(k, right=None, left=None):
+    """For sum(sin(K @ right)) + sum(sin(left @ K)), NumPy float64: the cotangent of K [M, N]; the magnitudes of
+    its terms, each with what K's rounding moves it by (cos(K @ right) moves by sin times the product's error,
+    which scales with |K| |right|); and the cotangents of the operands with their scales:
+    (ct, ct_terms, {"right"/"left": (value, scale)})."""
+    ct, ct_terms, operands = 0.0, 0.0, {}
+    if right is not None:
+        product, magnitude = k @ right, np.abs(k) @ np.abs(right)  # [M, width]
+        outer, outer_terms = np.cos(product), np.abs(np.cos(product)) + np.abs(np.sin(product)) * magnitude
+        ct, ct_terms = ct + outer @ right.T, ct_terms + outer_terms @ np.abs(right).T
+        operands["right"] = (k.T @ outer, np.abs(k).T @ outer_terms)
+    if left is not None:
+        product, magnitude = left @ k, np.abs(left) @ np.abs(k)  # [width, N]
+        outer, outer_terms = np.cos(product), np.abs(np.cos(product)) + np.abs(np.sin(product)) * magnitude
+        ct, ct_terms = ct + left.T @ outer, ct_terms + np.abs(left).T @ outer_terms
+        operands["left"] = (outer @ k.T, outer_terms @ np.abs(k).T)
+    return ct, ct_terms, operands
 
 
 def rtol(dtype):
@@ -193,6 +248,10 @@ def product_example(**changes):
 )
 @product_example(dim=lazy_kernel.GEMM_FEATURES_MIN)  # by the GEMM, in float64, whose tolerance shows its errors
 @product_example(n=CHUNKED_COLUMNS, rank=2)  # K @ X of more columns than an accelerator contracts at once
+@product_example(dim=max(lazy_kernel.ACCELERATOR_FEATURES), kernel_name="skewed-function", dtype=jnp.float32)
+@product_example(kernel_name="skewed-function", rank=3, batch_size=5, checkpoint=True)  # every family, blocks
+@product_example(kernel_name="skewed-cross-covariance", rank=2, max_memory_mb=2e-4, dtype=jnp.float32)
+@product_example(kernel_name="laplace-partial", dim=3, rank=4, batch_size=7)
 def test_products_match_dense(
     m, n, dim, kernel_name, rank, dtype, batch_size, max_memory_mb, checkpoint, seed, device, layers
 ):
@@ -205,14 +264,18 @@ def test_products_match_dense(
     op = LazyKernel(kernel, x1, x2, max_memory_mb=max_memory_mb, batch_size=batch_size, checkpoint=checkpoint)
     dense = dense_oracle(kernel_np, x1, x2)
     right_shape, left_shape = OPERAND_SHAPES[rank](m, n)
-    right = jnp.asarray(rng.normal(size=right_shape), dtype)
-    left = jnp.asarray(rng.normal(size=left_shape), dtype)
+    right = np.asarray(rng.normal(size=right_shape), dtype)
+    left = np.asarray(rng.normal(size=left_shape), dtype)
 
-    product = op @ right
+    right, left = (np.asarray(a, np.float64) for a in (right, left))
+    product = op @ jnp.asarray(right, dtype)
     assert product.devices() == {device}
-    assert_close(product, dense @ np.asarray(right, np.float64), dtype, scale=max(1, n))
-    assert_close(left @ op, np.asarray(left, np.float64) @ dense, dtype, scale=max(1, m))
-    assert_close(op.T @ transpose(left), transpose(np.asarray(left, np.float64) @ dense), dtype, scale=max(1, m))
+    assert_close(product, dense @ right, dtype, scale=np.abs(dense) @ np.abs(right))  # the terms' magnitudes
+    assert_close(jnp.asarray(left, dtype) @ op, left @ dense, dtype, scale=np.abs(left) @ np.abs(dense))
+    left_t = transpose(left)
+    assert_close(
+        op.T @ jnp.asarray(left_t, dtype), transpose(left @ dense), dtype, scale=np.abs(dense.T) @ np.abs(left_t)
+    )
 
 
 @pytest.mark.parametrize("kernel_name", sorted(KERNELS))
@@ -264,7 +327,8 @@ def test_blocks_have_one_size_and_cover_every_row(block):
     x1, x2 = points(rng, 23, 2, jnp.float64), points(rng, 6, 2, jnp.float64)
     op = LazyKernel(Recording(), x1, x2, batch_size=block)
     v = rng.normal(size=6)
-    np.testing.assert_allclose(op @ v, dense_oracle(lambda a, b: np.exp(-np.sum((a - b) ** 2)), x1, x2) @ v, rtol=1e-12)
+    dense = dense_oracle(lambda a, b: np.exp(-np.sum((a - b) ** 2)), x1, x2)
+    assert_close(op @ v, dense @ v, jnp.float64, scale=dense @ np.abs(v))
     assert seen == [min(block, 23)] and op.block_rows == min(block, 23) <= op.batch_size_row == block
 
 
@@ -321,11 +385,14 @@ def test_one_plan_decides_each_block(backend, monkeypatch):
     def loss(ls, x1):
         return jnp.sum(jnp.sin(LazyKernel(RBF(ls), x1, x2, checkpoint=True) @ v))
 
-    dense_loss = lambda ls, x1: jnp.sum(jnp.sin(rbf_dense_jnp(x1, x2, ls, 1.0) @ v))  # noqa: E731
-    for got, want in zip(jax.grad(loss, (0, 1))(0.7, x1), jax.grad(dense_loss, (0, 1))(0.7, x1), strict=True):
-        assert_close(got, want, jnp.float32)
-    op = LazyKernel(RBF(0.7), x2, x1, checkpoint=True)
-    assert_close(op.T @ v, rbf_dense_jnp(x1, x2, 0.7, 1.0) @ v, jnp.float32)
+    ls = np.float32(0.7)
+    k = pullback_oracle(x1, x2, ls, 1.0, 0, 0)["K"][0]
+    ct, ct_terms, _ = sin_loss_cotangent(k, right=np.asarray(v, np.float64)[:, None])
+    truth = pullback_oracle(x1, x2, ls, 1.0, ct, ct_terms)
+    for got, name in zip(jax.grad(loss, (0, 1))(ls, x1), ("lengthscale", "x1"), strict=True):
+        assert_close(got, truth[name][0], jnp.float32, scale=truth[name][1])
+    op = LazyKernel(RBF(ls), x2, x1, checkpoint=True)
+    assert_close(op.T @ v, k @ np.asarray(v, np.float64), jnp.float32, scale=k @ np.abs(np.asarray(v, np.float64)))
     assert "block_rows=" in repr(op.T) and op.measure(wrt=("x1",)).rows <= op.block_rows
 
 
@@ -465,9 +532,11 @@ def test_products_are_float32_at_jax_default_precision(width, chunk, device, mon
         assert all(error > 64 * eps for error, _ in errors("bfloat16"))
 
 
-def test_accelerators_contraction_matches_dense(monkeypatch):
+@pytest.mark.parametrize("own_blocks", [False, True])
+def test_accelerators_contraction_matches_dense(own_blocks, monkeypatch):
     """An accelerator's contraction (chunks of columns, padded to whole chunks) run here: products on both sides,
-    and their gradients, against the dense matrix."""
+    and their gradients, against the dense matrix; for RBF, and for a kernel whose cross_covariance makes the
+    blocks (X @ K by blocks of K's columns)."""
     if not hasattr(jax.lax, "optimization_barrier"):
         pytest.skip("JAX before 0.4.31 keeps one product")
     monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
@@ -480,7 +549,19 @@ def test_accelerators_contraction_matches_dense(monkeypatch):
     )
 
     def products(x1, x2, right, left, ls, make):
-        op = LazyKernel(RBF(ls, 1.7), x1, x2, batch_size=5, checkpoint=True) if make else rbf_dense_jnp(x1, x2, ls, 1.7)
+        if own_blocks:
+            kernel = SkewedCrossCovariance(ls)
+            op = (
+                LazyKernel(kernel, x1, x2, batch_size=5, checkpoint=True)
+                if make
+                else skewed_dense_jnp(x1 / ls, x2 / ls)
+            )
+        else:
+            op = (
+                LazyKernel(RBF(ls, 1.7), x1, x2, batch_size=5, checkpoint=True)
+                if make
+                else rbf_dense_jnp(x1, x2, ls, 1.7)
+            )
         return jnp.sum(jnp.sin(op @ right)) + jnp.sum(jnp.cos(left @ op))
 
     args = (x1, x2, right, left, jnp.asarray(0.8))
@@ -715,6 +796,28 @@ def test_memory_is_a_few_blocks_not_the_matrix(block):
 
     assert grad_temp(True) <= 6 * block_bytes  # D + 1 blocks and a little
     assert grad_temp(False) >= m * n * 4  # without checkpoint every block is stored
+
+
+def test_measure_shows_what_reverse_mode_stores_without_checkpoint():
+    """The stored and recomputed gradients side by side: without checkpoint, measure(wrt=...) reports what reverse
+    mode holds at the product's block (every block: at least the matrix), as XLA compiles it; with checkpoint, a
+    block whose peak is within the limit."""
+    m, n, budget_mb = 1024, 768, 1
+    x1, x2 = jnp.zeros((m, 3), jnp.float32), jnp.ones((n, 3), jnp.float32)
+    stored = LazyKernel(RBF(), x1, x2, max_memory_mb=budget_mb).measure(wrt=("x1", "operand"))
+    recomputed = LazyKernel(RBF(), x1, x2, max_memory_mb=budget_mb, checkpoint=True).measure(wrt=("x1", "operand"))
+    product = LazyKernel(RBF(), x1, x2, max_memory_mb=budget_mb).measure()
+    assert stored.rows == product.rows and stored.limit_mb == product.limit_mb == recomputed.limit_mb
+    assert stored.peak_mb * 2**20 >= m * n * 4 > stored.limit_mb * 2**20 >= recomputed.peak_mb * 2**20
+
+    def loss(x1, v):
+        return jnp.sum(jnp.sin(LazyKernel(RBF(), x1, x2, batch_size=stored.rows) @ v))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # differentiated without checkpoint
+        peak = temp_bytes(jax.grad(loss, argnums=(0, 1)), x1, jnp.ones(n, jnp.float32))
+    # measured on the product's value and pullback, which a loss's program differs from by a little (8% here)
+    assert stored.peak_mb * 2**20 == pytest.approx(peak, rel=0.15), (stored, peak)
 
 
 def gaussian_pair(x, y):
@@ -1520,20 +1623,21 @@ def test_gemm_blocks_match_the_dense_matrix(dtype, device):
     x1, x2, ls = (jnp.asarray(a, dtype) for a in (x1, x2, ls))
     v, w = (jnp.asarray(rng.normal(size=shape), dtype) for shape in ((30, 2), (2, 32)))
 
-    def products_and_gradient(x1, x2, ls, dense):
-        def matrix(x1, x2, ls):
-            if dense:
-                return rbf_dense_jnp(x1, x2, ls, 1.3)
-            return LazyKernel(RBF(ls, 1.3), x1, x2, batch_size=8, checkpoint=True)
-
+    def products_and_gradient(x1, x2, ls):
+        matrix = lambda x1, x2, ls: LazyKernel(RBF(ls, 1.3), x1, x2, batch_size=8, checkpoint=True)  # noqa: E731
         loss = lambda *args: jnp.sum(jnp.sin(matrix(*args) @ v)) + jnp.sum(jnp.sin(w @ matrix(*args)))  # noqa: E731
         op = matrix(x1, x2, ls)
         return (op @ v, w @ op, op.T @ w.T), jax.grad(loss, argnums=(0, 1, 2))(x1, x2, ls)
 
-    run = jax.jit(products_and_gradient, static_argnums=3)
-    lazy, dense = run(x1, x2, ls, False), run(*(a.astype(jnp.float64) for a in (x1, x2, ls)), True)
-    for got, want in zip(jax.tree_util.tree_leaves(lazy), jax.tree_util.tree_leaves(dense), strict=True):
-        assert_close(got, want, dtype)
+    (right, left, transposed), gradients = jax.jit(products_and_gradient)(x1, x2, ls)
+    v64, w64 = np.asarray(v, np.float64), np.asarray(w, np.float64)
+    k = pullback_oracle(x1, x2, ls, 1.3, 0, 0)["K"][0]
+    assert_close(right, k @ v64, dtype, scale=k @ np.abs(v64))
+    assert_close(left, w64 @ k, dtype, scale=np.abs(w64) @ k)
+    assert_close(transposed, (w64 @ k).T, dtype, scale=(np.abs(w64) @ k).T)
+    truth = pullback_oracle(x1, x2, ls, 1.3, *sin_loss_cotangent(k, right=v64, left=w64)[:2])
+    for got, name in zip(gradients, ("x1", "x2", "lengthscale"), strict=True):
+        assert_close(got, truth[name][0], dtype, scale=truth[name][1])
 
 
 @pytest.mark.parametrize("backend", ["cpu", "tpu"])
@@ -1554,16 +1658,17 @@ def test_gemm_repairs_two_pairs_per_row(backend, monkeypatch):
     x1, x2, ls = (jnp.asarray(a, dtype) for a in (x1, x2, ls))
     v = jnp.asarray(rng.normal(size=10), dtype)
 
-    def product_and_gradient(x1, x2, ls, dense):
-        def matrix(x1, ls):
-            return rbf_dense_jnp(x1, x2, ls, 1.3) if dense else LazyKernel(RBF(ls, 1.3), x1, x2, checkpoint=True)
-
+    def product_and_gradient(x1, ls):
+        matrix = lambda x1, ls: LazyKernel(RBF(ls, 1.3), x1, x2, checkpoint=True)  # noqa: E731
         return matrix(x1, ls) @ v, jax.grad(lambda x1, ls: jnp.sum(jnp.sin(matrix(x1, ls) @ v)), (0, 1))(x1, ls)
 
-    lazy = jax.jit(product_and_gradient, static_argnums=3)(x1, x2, ls, False)
-    dense = product_and_gradient(*(a.astype(jnp.float64) for a in (x1, x2, ls)), True)
-    for got, want in zip(jax.tree_util.tree_leaves(lazy), jax.tree_util.tree_leaves(dense), strict=True):
-        assert_close(got, want, dtype)
+    product, gradients = jax.jit(product_and_gradient)(x1, ls)
+    v64 = np.asarray(v, np.float64)[:, None]
+    k = pullback_oracle(x1, x2, ls, 1.3, 0, 0)["K"][0]
+    assert_close(product, (k @ v64)[:, 0], dtype, scale=(k @ np.abs(v64))[:, 0])
+    truth = pullback_oracle(x1, x2, ls, 1.3, *sin_loss_cotangent(k, right=v64)[:2])
+    for got, name in zip(gradients, ("x1", "lengthscale"), strict=True):
+        assert_close(got, truth[name][0], dtype, scale=truth[name][1])
     third = x2.at[-1].set(x1[0] + jnp.asarray(2e-3 * ls / np.sqrt(dim), dtype))
     assert np.all(np.isnan(LazyKernel(RBF(ls, 1.3), x1, third) @ v))
 
@@ -1660,11 +1765,12 @@ GENERATED_PROGRAMS = {}  # a program's text -> its jitted checks: hypothesis dra
 @settings(max_examples=200 if os.environ.get("CI") else 16)
 @given(
     program=kernel_programs(),
-    dim=st.sampled_from([*range(21), *WIDE_FEATURES]),
+    dim=st.sampled_from([*range(1, 21), *WIDE_FEATURES]),
     dtype=st.sampled_from([jnp.float32, jnp.float64, jnp.int32]),
     seed=st.integers(0, 9),
 )
 @example(kernel_program([("square", 2)]), lazy_kernel.GEMM_FEATURES_MIN, jnp.float64, 0)  # |x - y|^2 by the GEMM
+@example(kernel_program([("square", 2), ("exp-neg-abs", 3)]), 0, jnp.float32, 0)  # no features
 @example(kernel_program([("dot", 2, 2), ("argmax", 3)]), 8, jnp.float32, 0)  # no derivative: no float64 GEMM
 def test_generated_kernels_run_as_the_vmap_form(program, dim, dtype, seed):
     """A kernel the vmap form runs runs lazily with its numbers; one it rejects is rejected with its error."""
@@ -2059,7 +2165,7 @@ def grid_rounded(x, grid, count):
 
 @FUSED_ON_CPU
 @given(
-    scale=st.floats(1e-25, 1e25),
+    scale=st.floats(-25, 25).map(lambda exponent: 10.0**exponent),  # log-uniform: 1e-25 to 1e25
     offset=st.sampled_from([0.0, 1.0, 1e3, -1e6]),
     count=st.sampled_from(lazy_kernel.DIGIT_COUNTS),
     seed=st.integers(0, 2**16),
@@ -2231,30 +2337,6 @@ def test_fused_products_match_numpy(dim, width, count, monkeypatch):
     assert np.max(np.abs(got - left @ k) / (np.abs(left) @ k)) <= 16 * eps
 
 
-def gradient_oracle(x, v, ls, variance, kernel):
-    """NumPy float64: the gradient of sum(sin(K(x, x) @ v)) in the lengthscale, x and v, for RBF or Matern 5/2 at
-    one lengthscale; and each one's scale (its largest sum of absolute terms)."""
-    x, v, ls, variance = (np.asarray(a, np.float64) for a in (x, v, ls, variance))
-    diff = x[:, None] - x[None]
-    z = (diff**2).sum(-1) / ls**2
-    if kernel == "rbf":
-        shape, slope = np.exp(-0.5 * z), -0.5 * np.exp(-0.5 * z)  # K / variance and its derivative in z
-    else:
-        r = np.sqrt(z)
-        shape, slope = (
-            (1 + np.sqrt(5) * r + 5 * z / 3) * np.exp(-np.sqrt(5) * r),
-            -5 / 6 * (1 + np.sqrt(5) * r) * np.exp(-np.sqrt(5) * r),
-        )
-    k = variance * shape
-    out_cotangent = np.cos(k @ v)
-    c = out_cotangent[:, None] * v[None]  # the cotangent of K
-    by_ls = c * variance * slope * (-2 * z / ls)
-    terms = (c * variance * slope * 2 / ls**2)[..., None] * diff  # of x_i; x_j's are their negatives
-    gradients = (by_ls.sum(), terms.sum(1) - terms.sum(0), k.T @ out_cotangent)
-    by_x_scale = (np.abs(terms).sum(1) + np.abs(terms).sum(0)).max()
-    return gradients, (np.abs(by_ls).sum(), by_x_scale, (np.abs(k.T) @ np.abs(out_cotangent)).max())
-
-
 @FUSED_ON_CPU
 @pytest.mark.parametrize(
     "name, dim", [("rbf-module", 16), ("gpjax-Matern52", 16), pytest.param("rbf-module", 64, marks=SLOW)]
@@ -2279,32 +2361,53 @@ def test_fused_gradients_as_accurate_as_the_vmap_form(name, dim, monkeypatch):
     assert_fused_gradients_as_accurate(name, data, ls, rng)
 
 
-def assert_fused_gradients_as_accurate(name, data, ls, rng):
-    """The checkpointed gradient of sum(sin(K @ v)) for the kernel ``name`` of FUSED_KERNELS at lengthscale ``ls``
-    on each data set of ``data`` (name -> points [n, D], one shape), v drawn from ``rng``: against NumPy float64,
-    within 4x the vmap form's error plus 16 eps of the scale; the backward's kernels are in the program."""
+def fused_family(name):
+    """The pullback_oracle family of a kernel of FUSED_KERNELS."""
+    return {"gpjax-Matern32": "matern32", "gpjax-Matern52": "matern52"}.get(name, "rbf")
+
+
+def assert_fused_gradients_as_accurate(name, data, ls, rng, batch_size=64):
+    """The checkpointed gradient of sum(sin(K(x1, x2) @ v)) for the kernel ``name`` of FUSED_KERNELS at lengthscale
+    ``ls``, in the lengthscale, x1, x2 and v, on each data set of ``data`` (name -> points [n, D], one shape: x1 all
+    of them, x2 all but the first 40), v drawn from ``rng``: against NumPy float64, within 4x the vmap form's error
+    plus 16 eps of the scale; the backward's kernels are in the program."""
     make = FUSED_KERNELS[name][0]
 
-    def loss(ls, x, v, form):
+    def loss(ls, x1, x2, v, form):
         k = (
-            lazy_kernel._vmap_block(make(ls), x, x)
+            lazy_kernel._vmap_block(make(ls), x1, x2)
             if form == "vmap"
-            else LazyKernel(make(ls), x, x, batch_size=64, checkpoint=True)
+            else LazyKernel(make(ls), x1, x2, batch_size=batch_size, checkpoint=True)
         )
         return jnp.sum(jnp.sin(k @ v))
 
-    gradients = [jax.grad(functools.partial(loss, form=form), argnums=(0, 1, 2)) for form in ("fused", "vmap")]
+    gradients = [jax.grad(functools.partial(loss, form=form), argnums=(0, 1, 2, 3)) for form in ("fused", "vmap")]
     compiled = [jax.jit(gradient) for gradient in gradients]  # once: every data set has the same shapes
     for x in data.values():
-        x = np.asarray(x, np.float32)
-        v = np.asarray(rng.uniform(-0.25, 1, size=len(x)), np.float32)
-        args = (jnp.float32(ls), jnp.asarray(x), jnp.asarray(v))
+        x1 = np.asarray(x, np.float32)
+        x2 = x1[40:]
+        v = np.asarray(rng.uniform(-0.25, 1, size=len(x2)), np.float32)
+        args = (jnp.float32(ls), jnp.asarray(x1), jnp.asarray(x2), jnp.asarray(v))
         assert len(pallas_calls(jax.make_jaxpr(gradients[0])(*args).jaxpr)) == 3 * len(lazy_kernel.DIGIT_COUNTS)
         with as_users_compile():
             fused, vmapped = (gradient(*args) for gradient in compiled)
-        truths, scales = gradient_oracle(x, v, ls, 1.3, "rbf" if name.startswith("rbf") else "matern52")
-        for got, vmap, truth, scale in zip(fused, vmapped, truths, scales, strict=True):
-            within_contract(got, vmap, truth, scale)
+        assert_gradients_within_contract(fused, vmapped, x1, x2, v, ls, fused_family(name))
+
+
+GRADIENTS = ("lengthscale", "x1", "x2", "v")
+
+
+def assert_gradients_within_contract(fused, vmapped, x1, x2, v, ls, family, variance=1.3, checked=GRADIENTS):
+    """The gradients of sum(sin(K(x1, x2) @ v)) in (ls, x1, x2, v), fused and by the vmap form, against NumPy
+    float64 (pullback_oracle): those ``checked`` within 4x the vmap form's error plus 16 eps of the largest sum of
+    a component's terms' magnitudes."""
+    k = pullback_oracle(x1, x2, ls, variance, 0, 0, family)["K"][0]
+    ct, ct_terms, operands = sin_loss_cotangent(k, right=np.asarray(v, np.float64)[:, None])
+    truth = pullback_oracle(x1, x2, ls, variance, ct, ct_terms, family)
+    truth["v"] = tuple(a[:, 0] for a in operands["right"])
+    for got, vmap, name in zip(fused, vmapped, GRADIENTS, strict=True):
+        if name in checked:
+            within_contract(got, vmap, truth[name][0], np.max(truth[name][1]))
 
 
 @FUSED_ON_CPU
@@ -2323,9 +2426,11 @@ def test_fused_gradients_on_real_data(real_set, monkeypatch):
 
 @FUSED_ON_CPU
 def test_fused_derivatives_match_the_vmap_form(monkeypatch):
-    """The fused primitive's rules (a TPU faked, Pallas interpreted), under jit, against the dense vmap form:
-    forward mode, the hessian (reverse and forward over forward), the gradient of a jvp, vmap of the gradient,
-    grad of grad, w @ K's gradient and a 3-column operand's (today's vjp behind the fused product)."""
+    """The fused primitive's rules (a TPU faked, Pallas interpreted), under jit, within the contract against the
+    same derivative in float64 (the vmap form's, x64 on; NumPy's pullback_oracle for first derivatives, whose
+    scale is the sum of the terms' magnitudes): forward mode, the hessian (reverse and forward over forward), the
+    gradient of a jvp, vmap of the gradient, grad of grad, w @ K's gradient and a 3-column operand's (today's vjp
+    behind the fused product)."""
     monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.normal(size=(96, 16)), jnp.float32)
@@ -2340,25 +2445,213 @@ def test_fused_derivatives_match_the_vmap_form(monkeypatch):
         )
         return jnp.sum(jnp.sin(v @ k if left else k @ v))
 
-    def check(derivative, *args, **kwargs):
+    def run(derivative, args, **kwargs):
         fused = functools.partial(derivative(functools.partial(loss, **kwargs)), *args)
         assert pallas_calls(jax.make_jaxpr(fused)().jaxpr)  # the fused form runs
-        got, want = (
-            jax.jit(f)()
-            for f in (fused, functools.partial(derivative(functools.partial(loss, form="vmap", **kwargs)), *args))
-        )
-        for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
-            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(b))))
+        vmapped = functools.partial(derivative(functools.partial(loss, form="vmap", **kwargs)), *args)
+        wide = [jnp.asarray(a, jnp.float64) for a in args]
+        oracle = functools.partial(derivative(functools.partial(loss, form="vmap", **kwargs)), *wide)
+        return [jax.tree_util.tree_leaves(jax.jit(f)()) for f in (fused, vmapped, oracle)]
+
+    def check(derivative, *args, **kwargs):  # the oracle's largest value as the scale of each
+        for got, vmap, truth in zip(*run(derivative, args, **kwargs), strict=True):
+            within_contract(got, vmap, truth, np.max(np.abs(truth)), rounded_to=jnp.float32)
+
+    def first_order(derivative, *args, terms, **kwargs):  # pullback_oracle's truth and scales, by name
+        for got, vmap, name in zip(*run(derivative, args, **kwargs)[:2], terms(), strict=True):
+            within_contract(got, vmap, *name)
+
+    def oracle(operand, left=False):  # (truth, scale) of the lengthscale, x (as x1 and x2) and the operand
+        k = pullback_oracle(x, x, ls, 1.3, 0, 0)["K"][0]
+        operand = np.asarray(operand, np.float64)
+        ct, ct_terms, operands = sin_loss_cotangent(k, **{"left" if left else "right": operand})
+        truth = pullback_oracle(x, x, ls, 1.3, ct, ct_terms)
+        by_operand = operands["left" if left else "right"]
+        return {
+            "lengthscale": (truth["lengthscale"][0], np.max(truth["lengthscale"][1])),
+            "x": (truth["x1"][0] + truth["x2"][0], np.max(truth["x1"][1] + truth["x2"][1])),
+            "operand": (by_operand[0].reshape(operand.shape), np.max(by_operand[1])),
+        }
 
     tangents = (jnp.float32(0.3), jnp.asarray(rng.normal(size=x.shape), jnp.float32), jnp.ones_like(v))
-    check(lambda f: lambda *a: jax.jvp(f, a, tangents), ls, x, v)
+    along = lambda a: tuple(t.astype(p.dtype) for t, p in zip(tangents, a, strict=True))  # noqa: E731
+    check(lambda f: lambda *a: jax.jvp(f, a, along(a)), ls, x, v)
     check(lambda f: jax.hessian(f), ls, x, v)
     check(lambda f: jax.jacfwd(jax.jacfwd(f)), ls, x, v)  # forward over forward: the tangent's own jvp
-    check(lambda f: jax.grad(lambda *a: jax.jvp(f, a, tangents)[1], argnums=(0, 1)), ls, x, v)
-    check(lambda f: lambda ls, x, vs: jax.vmap(jax.grad(f, argnums=(0, 1)), (None, None, 0))(ls, x, vs), ls, x, w.T)
+    check(lambda f: jax.grad(lambda *a: jax.jvp(f, a, along(a))[1], argnums=(0, 1)), ls, x, v)
     check(lambda f: jax.grad(lambda ls, x, v: jnp.sum(jax.grad(f, argnums=1)(ls, x, v) ** 2)), ls, x, v)
-    check(lambda f: jax.grad(f, argnums=(0, 1, 2)), ls, x, v, left=True)
-    check(lambda f: jax.grad(f, argnums=(0, 1, 2)), ls, x, w)
+
+    def by_column():  # vmap of the gradient over w's columns
+        columns = [oracle(column[:, None]) for column in np.asarray(w).T]
+        return [
+            (np.stack([c[name][0].reshape(np.shape(c[name][0])) for c in columns]), max(c[name][1] for c in columns))
+            for name in ("lengthscale", "x")
+        ]
+
+    vmapped_gradient = lambda f: lambda ls, x, vs: jax.vmap(jax.grad(f, argnums=(0, 1)), (None, None, 0))(ls, x, vs)  # noqa: E731
+    first_order(vmapped_gradient, ls, x, w.T, terms=by_column)
+    names = ("lengthscale", "x", "operand")
+    left = oracle(v[None], left=True)
+    left["operand"] = (left["operand"][0][0], left["operand"][1])
+    first_order(lambda f: jax.grad(f, argnums=(0, 1, 2)), ls, x, v, left=True, terms=lambda: [left[n] for n in names])
+    wide = oracle(w)
+    first_order(lambda f: jax.grad(f, argnums=(0, 1, 2)), ls, x, w, terms=lambda: [wide[n] for n in names])
+
+
+def branches_taken(monkeypatch):
+    """Which branch each fused switch takes when it runs: site ("product" or "backward") -> the set of indices
+    (0: 3 digits, 1: 4 digits, 2: today's form), recorded by a callback beside _first_vouched's choice."""
+    taken, first_vouched = {}, lazy_kernel._first_vouched
+
+    def recorded(vouched):
+        site = {"_fused_value": "product", "_fused_cotangents": "backward"}[inspect.stack()[1].function]
+        index = first_vouched(vouched)
+        jax.debug.callback(lambda i: taken.setdefault(site, set()).add(int(i)), index)
+        return index
+
+    monkeypatch.setattr(lazy_kernel, "_first_vouched", recorded)
+    return taken
+
+
+def fused_products_within_contract(make, family, ls, x1, x2, width, rng, batch_size=64):
+    """K @ X and X @ K (``width`` columns) of ``make(ls)`` on float32 x1 and x2 against NumPy float64, within 4x the
+    vmap form's error (its block on this device, contracted in float64) plus 16 eps of the largest |K| |X|."""
+    right = np.asarray(rng.uniform(-0.25, 1, size=(len(x2), width)), np.float32)
+    left = np.asarray(rng.uniform(-0.25, 1, size=(width, len(x1))), np.float32)
+    op = LazyKernel(make(jnp.float32(ls)), jnp.asarray(x1), jnp.asarray(x2), batch_size=batch_size)
+    got_right, got_left = jax.jit(lambda r, w: (op @ r, w @ op))(right, left)
+    k = pullback_oracle(x1, x2, ls, 1.3, 0, 0, family)["K"][0]
+    kernel = make(jnp.float32(ls))
+    vmapped = np.asarray(jax.jit(lambda a, b: lazy_kernel._vmap_block(kernel, a, b))(x1, x2), np.float64)
+    right, left = np.asarray(right, np.float64), np.asarray(left, np.float64)
+    within_contract(got_right, (vmapped @ right).astype(np.float32), k @ right, np.max(k @ np.abs(right)))
+    within_contract(got_left, (left @ vmapped).astype(np.float32), left @ k, np.max(np.abs(left) @ k))
+
+
+def grid_shapes(f, *args):
+    """The Pallas grid of each pallas_call that ``f(*args)`` traces."""
+    return [tuple(call.params["grid_mapping"].grid) for call in pallas_calls(jax.make_jaxpr(f)(*args).jaxpr)]
+
+
+@FUSED_ON_CPU
+@pytest.mark.parametrize("width", [1, 5])
+def test_fused_forms_over_several_tiles(width, monkeypatch):
+    """With tiles of 32 x 128 pairs, a block of 64 rows against 300 columns is 2 x 3 tiles: K @ X, X @ K and (one
+    column) the fused backward's gradient in the lengthscale, x1, x2 and v, against NumPy float64 within the
+    contract. Each tile's product is added into its rows' sums; the backward's column sums add every row tile."""
+    monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
+    monkeypatch.setattr(lazy_kernel, "FUSED_TILE", (32, 128))
+    rng = np.random.default_rng(width)
+    ls = float(np.float32(np.sqrt(16 / 3)))
+    x1, x2 = (np.asarray(rng.normal(size=(n, 16)), np.float32) for n in (100, 300))
+    x2[:20] = x1[:20]  # distance zero
+    make = FUSED_KERNELS["rbf-module"][0]
+    op = LazyKernel(make(ls), jnp.asarray(x1), jnp.asarray(x2), batch_size=64, checkpoint=True)
+    product_grids = grid_shapes(lambda r: op @ r, jnp.ones((300, width), jnp.float32))
+    assert product_grids and all(grid == (2, 3) for grid in product_grids), product_grids
+    fused_products_within_contract(make, "rbf", ls, x1, x2, width, rng)
+    if width == 1:
+        gradient = jax.grad(
+            lambda ls, x1, x2, v: jnp.sum(jnp.sin(LazyKernel(make(ls), x1, x2, batch_size=64, checkpoint=True) @ v)),
+            argnums=(0, 1, 2, 3),
+        )
+        vmapped = jax.grad(
+            lambda ls, x1, x2, v: jnp.sum(jnp.sin(lazy_kernel._vmap_block(make(ls), x1, x2) @ v)), argnums=(0, 1, 2, 3)
+        )
+        v = np.asarray(rng.uniform(-0.25, 1, size=300), np.float32)
+        args = (jnp.float32(ls), jnp.asarray(x1), jnp.asarray(x2), jnp.asarray(v))
+        assert all(grid == (2, 3) for grid in grid_shapes(gradient, *args))
+        got, want = jax.jit(gradient)(*args), jax.jit(vmapped)(*args)
+        assert_gradients_within_contract(got, want, x1, x2, v, ls, "rbf")
+
+
+def rule_reach(sensitivity, digits, ls, dim, steps):
+    """NumPy float64: the largest R (the grid's half-width) for which the fused rule vouches for ``digits`` digits,
+    from its bound lambda rho^2 (1 + 1 / kappa) <= 16 eps (section 7 of lazy_kernel.py), lambda = ``sensitivity``."""
+    eps, levels = 2.0**-23, 2 * digits - 1
+    kappa = (4 * (dim + steps + 1) - (levels + 2 * steps + 3)) * eps / 2
+    rho = np.sqrt(16 * eps / (sensitivity * (1 + 1 / kappa)))
+    return rho / (np.sqrt(dim) / ls * 2.0 ** (2 - 8 * digits) * (1 + 2**-20))
+
+
+# (kernel, digits, the backward's limit?, the side of it the points reach): a default few, the rest slow
+FUSED_LIMITS = [
+    ("gpjax-Matern52", 3, False, "inside"),
+    ("gpjax-Matern52", 3, True, "outside"),
+    ("rbf-module", 4, False, "outside"),
+    *(
+        pytest.param(*case, marks=SLOW)
+        for case in [
+            ("rbf-module", 3, False, "inside"),
+            ("rbf-module", 3, False, "outside"),
+            ("rbf-module", 4, False, "inside"),
+            ("gpjax-Matern52", 3, False, "outside"),
+            ("gpjax-Matern52", 3, True, "inside"),
+            ("gpjax-Matern52", 4, False, "inside"),
+            ("gpjax-Matern52", 4, False, "outside"),
+            ("gpjax-Matern52", 4, True, "inside"),
+            ("gpjax-Matern52", 4, True, "outside"),
+        ]
+    ),
+]
+
+
+@FUSED_ON_CPU
+@pytest.mark.parametrize("name, digits, backward, side", FUSED_LIMITS)
+def test_fused_branches_follow_the_rule(name, digits, backward, side, monkeypatch):
+    """Points reaching 3% inside or outside a limit of the rule (NumPy's reading of it, rule_reach), for RBF and
+    for Matern 5/2, whose backward's limits are lower: the product and the backward each take the branch the rule
+    gives them (3 digits, 4 digits, or today's form), and K @ v, v @ K and the gradient in the lengthscale, x1, x2
+    and v are within the contract there."""
+    monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
+    taken = branches_taken(monkeypatch)
+    dim, ls = 16, 1.5
+    make = FUSED_KERNELS[name][0]
+    probes = (jnp.zeros((n, dim), jnp.float32) for n in (2, 3))
+    fusion = lazy_kernel._fusion(make(jnp.float32(ls)), *probes, False, lazy_kernel.block_plan(RBF(), dim))
+    # lambda: |tail' / tail| at its largest (RBF 1/2, Matern 5/2 5/6 at d^2 = 0); the backward's, with |tail'' / tail'|
+    # (RBF 1/2; Matern 5/2's is 5/2 at 0, its float64 probe at d^2 = 2^-40 rounding noise of about 100)
+    sensitivity = {b: float(lazy_kernel._sensitivity(fusion[2], b)) for b in (False, True)}
+    assert sensitivity[False] == pytest.approx(0.5 if name.startswith("rbf") else 5 / 6, rel=1e-6)
+    assert sensitivity[True] == pytest.approx(0.5, rel=1e-6) if name.startswith("rbf") else sensitivity[True] >= 2.5
+    limits = {(c, b): rule_reach(sensitivity[b], c, ls, dim, fusion[1]) for c in (3, 4) for b in (False, True)}
+    reach = limits[digits, backward] * {"inside": 0.97, "outside": 1.03}[side]
+    expected = {  # the first digit count whose limit the points are within, else today's form
+        site: next((i for i, c in enumerate((3, 4)) if reach <= limits[c, b]), 2)
+        for site, b in (("product", False), ("backward", True))
+    }
+    rng = np.random.default_rng(digits)
+    x1 = np.asarray(rng.uniform(-reach, reach, size=(70, dim)), np.float32)
+    x1[0], x1[1] = -reach, reach  # the grid's half-width: reach
+    x1[40:50] = x1[30:40] + np.float32(ls / 100) * rng.normal(size=(10, dim)).astype(np.float32)  # near pairs
+    x2 = x1[20:]  # distance zero: x1[20:] and x2
+    fused_products_within_contract(make, fused_family(name), ls, x1, x2, 1, rng, batch_size=32)
+    assert taken == {"product": {expected["product"]}}, (taken, expected)
+    loss = lambda ls, x1, x2, v, k: jnp.sum(jnp.sin(k(ls, x1, x2) @ v))  # noqa: E731
+    lazy = lambda ls, x1, x2: LazyKernel(make(ls), x1, x2, batch_size=32, checkpoint=True)  # noqa: E731
+    vmap = lambda ls, x1, x2: lazy_kernel._vmap_block(make(ls), x1, x2)  # noqa: E731
+    v = np.asarray(rng.uniform(-0.25, 1, size=len(x2)), np.float32)
+    args = (jnp.float32(ls), jnp.asarray(x1), jnp.asarray(x2), jnp.asarray(v))
+    got, want = (jax.jit(jax.grad(functools.partial(loss, k=k), argnums=(0, 1, 2, 3)))(*args) for k in (lazy, vmap))
+    assert taken == {site: {index} for site, index in expected.items()}, (taken, expected)
+    # Where the backward is today's form, its per-pair derivatives are the vmap form's: one scalar's error is then
+    # another draw of the same per-pair errors, which the vmap form's own cotangents may cancel by chance
+    checked = GRADIENTS if expected["backward"] < 2 else GRADIENTS[1:]
+    assert_gradients_within_contract(got, want, x1, x2, v, ls, fused_family(name), checked=checked)
+
+
+@FUSED_ON_CPU
+def test_fused_form_leaves_half_the_budget_for_blocks(monkeypatch):
+    """The columns' digits (and grid moves) of N = 2048 points at D = 16 take about 6.3 MiB: within a budget of 4
+    MiB (half of it 2) the product is not fused; within 64 MiB it is."""
+    monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2048, 16)), jnp.float32)
+
+    def fused(budget):
+        product = lambda v: LazyKernel(RBF(jnp.float32(2.3)), x, x, max_memory_mb=budget, batch_size=256) @ v  # noqa: E731
+        return bool(pallas_calls(jax.make_jaxpr(product)(x[:, 0]).jaxpr))
+
+    assert not fused(4) and fused(64)
 
 
 def twins(base, ls):
@@ -2457,7 +2750,7 @@ def test_fused_products_as_accurate_as_the_vmap_form(name, dim, monkeypatch, dev
 
 
 # 2500 points: a block is measured and must shrink (a budget of 1 MB), and an accelerator contracts in chunks
-SANITY_ARGS = ["--n", "2500", "--max-memory-mb", "1", "--check", "16"]
+SANITY_ARGS = ["--n", "2500", "--max-memory-mb", "1", "--check", "16", "--dim", "3"]
 
 
 @pytest.fixture
@@ -2470,15 +2763,62 @@ def users_precision():
 
 @pytest.mark.accelerator
 def test_sanity_check_passes(capsys, device, users_precision):
-    assert lazy_kernel.main(SANITY_ARGS) == 0
+    """At each of CHECK_DIMS (the forms the plan picks), on the platform JAX runs on, asked for by name."""
+    assert lazy_kernel.main([*SANITY_ARGS[:-2], "--platform", device.platform]) == 0
     out = capsys.readouterr().out
     assert f"platform: {device.platform}, 1 x {device.device_kind}" in out
-    rows = int(out.split("blocks used: ")[1].split()[0])
-    zeros = jnp.zeros((2500, 3), jnp.float32)
-    assert 1 <= rows <= LazyKernel(RBF(), zeros, zeros, max_memory_mb=1).batch_size_row  # measured
-    for product in ("K @ v", "K @ X (16 columns)", "w @ K", "grad_x1 w.(K @ v)"):
-        assert f"{product}: " in out and "pairs/s" in out
+    for dim, part in zip(lazy_kernel.CHECK_DIMS, out.split("\nD = ")[1:], strict=True):
+        plan = lazy_kernel.block_plan(RBF(), dim)
+        assert part.startswith(f"{dim}: K 2500 x 2500") and f"plan: {plan.block.name.lower()}" in part
+        rows = int(part.split("blocks used: ")[1].split()[0])
+        zeros = jnp.zeros((2500, dim), jnp.float32)
+        assert 1 <= rows <= LazyKernel(RBF(), zeros, zeros, max_memory_mb=1).batch_size_row  # measured
+        for product in ("K @ v", "K @ X (16 columns)", "w @ K", "grad_x1 w.(K @ v)"):
+            assert f"{product}: " in part and "pairs/s" in part
     assert out.rstrip().endswith("PASS")
+
+
+def test_sanity_check_cannot_pass_on_the_wrong_platform(capsys, monkeypatch, device):
+    """Asked for a platform JAX does not run on, or run by a CPU-only JAX on a machine that has an accelerator, the
+    check fails with one line that says what to install (no traceback); asked for the CPU there, it checks it."""
+    others = [p for p in ("cpu", "gpu", "tpu") if p != jax.default_backend()]
+    for platform in others:
+        assert lazy_kernel.main(["--platform", platform, *SANITY_ARGS]) == 1
+        out = capsys.readouterr().out
+        assert out.startswith("FAIL: ") and len(out.splitlines()) == 1, out
+        try:
+            missing = not jax.devices(platform)
+        except RuntimeError:
+            missing = True
+        assert ('pip install -e ".[' in out) == (missing and platform != "cpu"), out
+    if jax.default_backend() == "cpu":
+        assert lazy_kernel._accelerator_here() is None  # CI's machines have none
+        monkeypatch.setattr(lazy_kernel, "_accelerator_here", lambda: "tpu")
+        assert lazy_kernel.main(SANITY_ARGS) == 1
+        assert capsys.readouterr().out == (
+            'FAIL: this machine has a TPU, but JAX runs on the CPU: install JAX for it (pip install -e ".[tpu]"), '
+            "or check the CPU with --platform cpu\n"
+        )
+        assert lazy_kernel.main([*SANITY_ARGS, "--platform", "cpu", "--n", "300"]) == 0
+    else:
+        assert lazy_kernel._accelerator_here() == jax.default_backend()  # the chip, seen as JAX would
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--check", "0"], "--check must be at least 1; got 0"),
+        (["--n", "-5"], "--n must be at least 1"),
+        (["--dim", "3,0"], "features per point must be at least 1"),
+        (["--dim", "three"], "features per point, such as 16 or 3,16,128"),
+        (["--max-memory-mb", "nan"], "--max-memory-mb must be a finite number"),
+        (["--platform", "gpu0"], "invalid choice: 'gpu0'"),
+    ],
+)
+def test_sanity_check_refuses_bad_flags_with_a_message(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        lazy_kernel.main(flags)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
 def _off_by_bf16_sized_errors(what, monkeypatch):
@@ -2489,7 +2829,7 @@ def _off_by_bf16_sized_errors(what, monkeypatch):
         return
     if what == "operand rounded to bf16":  # what a bf16 contraction does to the operand
         contract = lazy_kernel._contract
-        rounded = lambda block, rhs, *a: contract(block, jax.lax.reduce_precision(rhs, 8, 7), *a)  # noqa: E731
+        rounded = lambda block, rhs, *a, **k: contract(block, jax.lax.reduce_precision(rhs, 8, 7), *a, **k)  # noqa: E731
         monkeypatch.setattr(lazy_kernel, "_contract", rounded)
         return
     if what == "contraction at JAX's default precision":  # bf16 passes on a TPU (float32 on a CPU)
@@ -2524,7 +2864,7 @@ def test_sanity_check_fails_on_bf16_sized_errors(what, monkeypatch, capsys, devi
     assert lazy_kernel.main(SANITY_ARGS) == 1
     verdict = capsys.readouterr().out.rstrip().splitlines()[-1]
     if what == "exp off by 5e-4":  # the vmap form errs as much: the kernel's values are what is wrong
-        assert verdict.startswith("FAIL: the kernel's values err"), verdict
+        assert verdict.startswith("FAIL: D = 3: the kernel's values err") and " @ " not in verdict, verdict
     elif what == "contraction at JAX's default precision":  # a matrix-vector product stays float32 on a TPU
         assert "K @ X (16 columns) (" in verdict and "K @ v (" not in verdict, verdict
     else:
@@ -2685,15 +3025,15 @@ def start_python(code, env, processes=1):
     return started
 
 
-def finish(started, timeout=300):
-    """The outputs of processes from ``start_python``; fail with their output if any fails."""
+def finish(started, timeout=300, returncodes=(0,)):
+    """The outputs of processes from ``start_python``; fail with their output if any exits otherwise."""
     outputs = []
     try:
         for proc, out in started:
             proc.wait(timeout=timeout)
             out.seek(0)
             outputs.append(out.read())
-            assert proc.returncode == 0, outputs[-1]
+            assert proc.returncode in returncodes, outputs[-1]
     finally:
         stop(started)
     return outputs
@@ -2710,9 +3050,23 @@ def stop(started):
 def start_on_four_devices():
     return start_python(
         "import sys, lazy_kernel, test_lazy_kernel as t; t.check_sharded(); "
-        "sys.exit(lazy_kernel.main(['--n', '402', '--devices', 'all', '--batch-size', '30']))",
+        "assert lazy_kernel.main(['--n', '402', '--batch-size', '30', '--dim', '3,16']) == 0; "
+        "t.wrong_on_one_device(2); sys.exit(lazy_kernel.main(['--n', '402', '--batch-size', '30', '--dim', '3']))",
         {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
     )
+
+
+def wrong_on_one_device(index):
+    """Make the operator's results in the check (not the vmap form's) off by 5e-4 on the device ``index`` alone."""
+    on_every_device = lazy_kernel._on_every_device
+
+    def wrong(f, devices):
+        if isinstance(f, functools.partial) and f.func is lazy_kernel._vmap_form:
+            return on_every_device(f, devices)
+        off = lambda out: out * (1 + 5e-4 * (jax.lax.axis_index("devices") == index))  # noqa: E731
+        return on_every_device(lambda *args: off(f(*args)), devices)
+
+    lazy_kernel._on_every_device = wrong
 
 
 def start_on_two_processes():
@@ -2740,9 +3094,15 @@ def cpu_only(device):
 
 @pytest.mark.usefixtures("cpu_only")
 def test_shard_map_on_four_devices_and_the_sanity_check_there():
-    (out,) = finish(started(start_on_four_devices))
+    """The shard_map check, and ``python lazy_kernel.py`` on four devices: every device runs the whole check, and
+    a device whose blocks are off by 5e-4 is named, alone, in the verdict."""
+    (out,) = finish(started(start_on_four_devices), returncodes=(1,))
     assert "passed on 4 devices" in out
-    assert "platform: cpu, 4 x cpu" in out and "K: 400 x 400" in out and "30 rows of 100" in out and "PASS" in out
+    passed, failed = out.split("PASS\n")
+    assert "platform: cpu, 4 x cpu" in passed and "K 402 x 402" in passed and "30 rows of 402" in passed
+    verdict = failed.rstrip().splitlines()[-1]
+    assert verdict.startswith("FAIL: D = 3: K @ v (") and "on device 2 (cpu)" in verdict, verdict
+    assert all(f"on device {i} " not in verdict for i in (0, 1, 3)), verdict
 
 
 @pytest.mark.usefixtures("cpu_only")
@@ -2790,8 +3150,21 @@ def readme_python_blocks():
     return [block.split("\n", 1)[1] for block in text.split("```")[1::2] if block.startswith("python\n")]
 
 
+@pytest.fixture
+def as_users_run():
+    """JAX's defaults, as users have them: x64 off, matmul precision unset (the suite sets both)."""
+    jax.config.update("jax_enable_x64", False)
+    jax.config.update("jax_default_matmul_precision", None)
+    yield
+    jax.config.update("jax_enable_x64", True)
+    jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.mark.accelerator
+@pytest.mark.usefixtures("as_users_run")
 @pytest.mark.parametrize("index", range(len(readme_python_blocks())))
 def test_readme_examples_run(index):
+    """Each Python block of the README, as users run it: float32, JAX's default precision, x64 off."""
     code = readme_python_blocks()[index]
     for optional in ("lineax", "gpjax"):
         if f"import {optional}" in code:
