@@ -11,31 +11,32 @@ runs the same loop over blocks of columns. With ``checkpoint=True`` every
 block is recomputed in the backward pass instead of stored, so gradients
 stay a few blocks too.
 
-Reading map. The core comes first and runs alone:
+Reading map. The core comes first and runs alone (the file up to the first
+optional layer, with the last two lines):
 
 1. Kernels: the two protocols, ``RBF`` and ``kernel_block`` (one block of K).
-2. The plan: ``block_plan`` decides, once per kernel, D, dtype and backend,
-   how a block is made and contracted, as one frozen ``Plan``. Every backend
-   decision and every constant that picks a form is here, and nowhere else.
+2. The plan: ``block_plan`` decides, once per kernel structure, D, dtype and
+   backend, how a block is made (``Plan.block``), contracted, sized
+   (``Plan.sizing``) and multiplied (``Plan.product``); each optional layer
+   refines the plan through ``_LAYERS``, the core's one seam, and writes why a
+   faster form was not taken into ``Plan.notes``.
 3. The engine: ``_blockwise_matmul``, the loop above, and ``_contract``.
 4. The operator: ``LazyKernel``, with CAGPJax's batch-size arithmetic.
+5. ``python lazy_kernel.py`` checks a machine against a dense NumPy oracle.
 
-Three optional layers follow, each with a switch (set it before tracing; ``jit``
-keeps what it traced), each entered from the core only at the functions named:
+Optional layers follow, each one span between ``# --- begin optional layer``
+and ``# --- end optional layer`` lines, each with a switch (set it before
+tracing); delete a span, and the layers after it that name it, and the rest
+runs:
 
-5. ``PAIR_PROGRAM``: blocks from the kernel's own program run on whole blocks,
-   where the plan says (``_pair_program_block``; ``block_plan`` asks
-   ``_pair_program_takes``): the vmap form's accuracy, faster.
-6. ``MEASURED_BLOCKS``: the block size from XLA's measured peak of the program
-   that runs, so that the budget bounds the real memory, gradients included
-   (``_measured_product`` for products; ``_measured_block`` and
-   ``_differentiated`` for ``block_rows`` and ``measure()``).
-7. ``FUSED_PRODUCT``: on a TPU, a block's product in one Pallas kernel, with
-   squared distances exact on the matrix unit, where the plan says and a rule
-   vouches (``_fused_rows_times``; ``block_plan`` asks ``_fused_takes``);
-   reverse mode of ``K @ v`` by a second kernel (``_fused_primitives``).
-
-8. ``python lazy_kernel.py`` checks a machine against a dense NumPy oracle.
+- pair program: blocks from the kernel's own program run on whole blocks, the
+  vmap form's accuracy, faster (``PairProgramForm``).
+- measured blocks: the block size from XLA's measured peak of the program that
+  runs, so that the budget bounds the real memory, gradients included
+  (``MeasuredBlocks``).
+- fused TPU product (needs the pair program): on a TPU, a block's product in one
+  Pallas kernel, squared distances exact on the matrix unit, where a rule
+  vouches for the data (``FusedProduct``); reverse mode by a second kernel.
 
 The file depends on ``jax`` alone: copy it into your project if you like.
 """
@@ -74,10 +75,6 @@ __all__ = [
     "kernel_block",
 ]
 
-_JAX_VERSION = tuple(int(part) for part in jax.__version__.split(".")[:2])
-PAIR_PROGRAM = True  # layer 5; False: every block is the vmap form (or the kernel's cross_covariance)
-MEASURED_BLOCKS = True  # layer 6; False: blocks of batch_size_row rows, the seed's arithmetic
-FUSED_PRODUCT = True  # layer 7; False: no block's product is fused on a TPU
 BACKEND = None  # the backend blocks are planned for; None: JAX's default (the tests plan for "tpu" on a CPU)
 
 
@@ -102,7 +99,7 @@ class CrossCovarianceKernel(PairKernel, Protocol):
     """A pair kernel that can also fill a whole block: ``[m, D], [n, D] -> [m, n]``.
 
     Its blocks come from ``cross_covariance``, unless that is exactly the vmap
-    of the pair call (as GPJax's is): then the pair program may run instead.
+    of the pair call (as GPJax's is): then a faster form may run instead.
     """
 
     def cross_covariance(self, x1: jax.Array, x2: jax.Array) -> jax.Array: ...
@@ -142,19 +139,10 @@ def kernel_block(kernel: PairKernel, xa: jax.Array, xb: jax.Array, *, transposed
 
     With ``transposed``, ``kernel(xb[j], xa[i])``: a block of the transpose,
     computed as it is rather than transposed afterwards. Made as
-    ``block_plan`` says: the pair program, the kernel's ``cross_covariance``,
-    or the vmap form (the reference).
+    ``block_plan`` says (``Plan.block``): the vmap form (the reference), the
+    kernel's ``cross_covariance``, or an optional layer's faster form.
     """
-    return _block(kernel, xa, xb, transposed, block_plan(kernel, xa.shape[1], jnp.result_type(xa, xb)))
-
-
-def _block(kernel, xa, xb, transposed, plan):
-    """``kernel_block``'s block, made as ``plan`` says."""
-    if plan.block in _PAIR_PROGRAMS and xa.shape[0] and xb.shape[0]:
-        return _pair_program_block(kernel, xa, xb, transposed, plan)  # layer 5
-    if plan.block is Block.CROSS_COVARIANCE:
-        return kernel.cross_covariance(xb, xa).T if transposed else kernel.cross_covariance(xa, xb)
-    return _vmap_block(kernel, xa, xb, transposed)
+    return block_plan(kernel, xa.shape[1], jnp.result_type(xa, xb)).block.make(kernel, xa, xb, transposed)
 
 
 def _vmap_block(kernel, xa, xb, transposed=False):
@@ -189,123 +177,112 @@ def _check_kernel(kernel, dim, dtype):
 
 
 # --------------------------------------------------------------------------
-# 2. The plan: every backend decision, in one place
+# 2. The plan
 # --------------------------------------------------------------------------
 #
-# On a CPU, XLA runs the vmap form's sum over a short feature axis slowly, so the pair program (layer 5) runs
-# every kernel it takes, summing over more than a few features in a loop. On an accelerator the vector unit's
-# lanes hold those features, mostly empty at small D: there the program writes features out at small D (values
-# only: its derivatives compiled slowly and ran slower), and from GEMM_FEATURES_MIN runs where d^2 is the GEMM.
-# bench_lazy_kernel.py measured each constant below (its docstring says how).
+# A plan is decided once per kernel structure, D, dtype and backend, traced and never run, and cached. The core
+# plans the vmap form (or the kernel's own cross_covariance) and the contraction; then each optional layer, in
+# file order, may refine it (_LAYERS): a faster block form (``block``), blocks sized by XLA's measured peak
+# (``sizing``), or a fused product (``product``). Each layer's setting is a frozen value of the layer's own,
+# holding every decision that does not depend on the data; rules that do (a GEMM's error bound, the fused form's
+# digits) run where the data are, choosing among the forms the plan names.
 
 
-class Block(enum.Enum):
-    """How a block of K is made."""
+@dataclasses.dataclass(frozen=True)
+class VmapForm:
+    """A block by vmapping the pair call over it: GPJax's form, and the reference."""
 
-    VMAP = "the pair call vmapped over the block: the reference"
-    CROSS_COVARIANCE = "the kernel's own cross_covariance"
-    PAIR_PROGRAM = "the kernel's program run on whole blocks, differentiated as it is (layer 5)"
-    PAIR_PROGRAM_VALUES = "the pair program's values, the vmap form's derivatives (layer 5)"
+    name = "vmap"
+    fastest_bytes = None  # the fastest block's bytes, product and gradient; None: the sizing layer's default
 
+    def make(self, kernel, xa, xb, transposed):
+        return _vmap_block(kernel, xa, xb, transposed)
 
-_PAIR_PROGRAMS = (Block.PAIR_PROGRAM, Block.PAIR_PROGRAM_VALUES)
-
-
-class FeatureSum(enum.Enum):
-    """How the pair program sums a value of both points over more features than it writes out."""
-
-    LOOP = "a loop adding one [b, n] array per feature, recomputed in reverse mode"
-    AT_ONCE = "at once, on [b, n, D] values (on an accelerator a loop is a pass over memory per feature)"
+    def describe(self, kernel, dim, dtype):
+        return self.name
 
 
-class Distance(enum.Enum):
-    """A way to compute |s (x - y)|^2 for every pair of a block, besides the direct sum over features."""
+@dataclasses.dataclass(frozen=True)
+class CrossCovarianceForm(VmapForm):
+    """A block by the kernel's own ``cross_covariance``, which fills blocks of K only: a block of K.T is one of K
+    transposed, and ``X @ K`` takes blocks of K's columns as they come (_columns_product)."""
 
-    GEMM = "|a|^2 + |b|^2 - 2 a.b, where its error bound is within 4x the direct sum's"
-    FLOAT64_GEMM = "float32 points by the GEMM in float64, where the kernel takes its error"
-    FUSED = "exact on a TPU's matrix unit, in one Pallas kernel with the kernel's tail and the product (layer 7)"
+    name = "cross_covariance"
+
+    def make(self, kernel, xa, xb, transposed):
+        return kernel.cross_covariance(xb, xa).T if transposed else kernel.cross_covariance(xa, xb)
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """How blocks of one kernel on points of D features are made and contracted on one backend."""
+    """How blocks of one kernel on points of D features are made, sized, multiplied and contracted on a backend."""
 
     backend: str  # what it was planned for
-    block: Block
-    written_out: int  # a value of both points with at most this many features: one [b, n] array each
-    feature_sum: FeatureSum  # a value with more
-    squared_distances: tuple[Distance, ...]  # each falls back to the next, the last to the direct sum
+    block: VmapForm  # how a block is made: make(kernel, xa, xb, transposed) -> [len(xa), len(xb)]
     contraction_chunk: int | None  # columns of K per matrix-unit product in K @ X, or None: all at once
     contraction_precision: jax.lax.Precision | None  # None: JAX's default, which the user has set
-    block_bytes: int  # the fastest block of a product (layer 6)
-    gradient_block_bytes: int  # the fastest block of its gradient (layer 6)
-    min_block_rows: int  # blocks smaller than this are slower
-    probe_options: tuple[tuple[str, object], ...]  # XLA's options for a block's measurement (layer 6)
-    interpret: bool = False  # Pallas kernels interpreted: planned for BACKEND, not this one (the tests)
+    sizing: object = None  # None: blocks of batch_size_row rows (the seed's); else a layer's (see LazyKernel)
+    product: object = None  # None: a block's rows times the operand is the block contracted; else a layer's
+    notes: tuple[str, ...] = ()  # why the layers did not take a faster form
+
+    def noted(self, note):
+        return dataclasses.replace(self, notes=(*self.notes, note))
 
 
-SPLIT_FEATURES_MAX = 2  # on CPU, from 3 features the loop was faster than values written out
-ACCELERATOR_FEATURES = range(2, 65)  # off the CPU, features written out beat the vmap form's lanes here
-GEMM_FEATURES_MIN = 128  # below it, too many pairs a GEMM cannot vouch for: the fallback costs more
-WIDE_GEMM_FEATURES_MIN = 8  # on CPU, the float64 GEMM beats the loop from here
-FUSED_FEATURES_MIN = 16  # on a TPU, the fused product (layer 7) from here: at D = 3 today's form took 0.24x its time
-FUSED_WIDTH_MAX = 64  # operand columns the fused product takes; a wider operand gets today's form
-FUSED_BACKWARD_FEATURES_MAX = 64  # the fused backward to here (v5e: 1.14x the GEMM's gradient at 16, 2.25x at 64);
-# above, today's vjp (the backward's work grows with D; Mosaic had not compiled it at D = 256 after 200 s)
-FUSED_INT8_FEATURES_MIN = 128  # fused digits in int8 from here (half bf16's matrix-unit time, more vector work)
 CONTRACTION_CHUNK = 2048  # a TPU's matrix unit sums this many float32 terms within 2 eps (see _chunked_contract)
-CPU_BLOCK_BYTES = 4 * 2**20  # cache-sized blocks were the fastest on CPU
-CPU_MIN_BLOCK = 64  # blocks of 16 rows or columns were slower
-ACCELERATOR_BLOCK_BYTES = 64 * 2**20  # off the CPU, smaller blocks were slower at D = 3, larger no faster
-ACCELERATOR_WIDE_BLOCK_BYTES = 256 * 2**20  # blocks the pair program writes out (half for their gradient)
-# Probes compile at XLA:CPU's lowest code-generation optimisation, with its older fusion emitters where this XLA
-# has both: the same buffers (the tests compare measurements with the programs users compile), sooner.
-_PROBE_OPTIONS = {"cpu": {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}}
+_LAYERS = []  # refine(plan, kernel, dim, dtype) -> plan, one for each optional layer in the file: the core's seam
+_PLANS = {}  # (kernel structure, D, dtype, backend, settings) -> Plan
 
 
 def block_plan(kernel: PairKernel, dim: int, dtype=jnp.float32) -> Plan:
     """How blocks of ``kernel`` on points of ``dim`` features and ``dtype`` are made here (traced, not run).
 
     The only reader of ``jax.default_backend()`` (or ``BACKEND``) in this
-    file. Which forms the kernel's program takes is asked of layer 5.
+    file. Cached by the kernel's structure (its pytree, else its program on
+    one pair of points), D, dtype, backend and the module's settings.
     """
-    backend = BACKEND or jax.default_backend()
-    dtype, on_cpu = jnp.dtype(dtype), backend == "cpu"
-    float32 = dtype == jnp.float32
-    gemm = dim >= GEMM_FEATURES_MIN and (float32 or (on_cpu and dtype == jnp.float64))  # no fast float64 elsewhere
-    wide = on_cpu and float32 and dim >= WIDE_GEMM_FEATURES_MIN and _float64_in_traces()
-    if on_cpu:
-        block = Block.PAIR_PROGRAM
-    elif dim in ACCELERATOR_FEATURES:
-        block = Block.PAIR_PROGRAM_VALUES
-    else:
-        block = Block.PAIR_PROGRAM if gemm else Block.VMAP  # only where d^2 is the GEMM: by_gemm_only below
-    chunked = not on_cpu and hasattr(jax.lax, "optimization_barrier")  # JAX 0.4.31 on
-    plan = Plan(
-        backend=backend,
-        block=block if PAIR_PROGRAM else Block.VMAP,
-        written_out=SPLIT_FEATURES_MAX if on_cpu else max(ACCELERATOR_FEATURES),
-        feature_sum=FeatureSum.LOOP if on_cpu else FeatureSum.AT_ONCE,
-        squared_distances=(Distance.GEMM,) * gemm + (Distance.FLOAT64_GEMM,) * wide,
-        contraction_chunk=CONTRACTION_CHUNK if chunked else None,
-        contraction_precision=_contraction_precision(),
-        block_bytes=CPU_BLOCK_BYTES if on_cpu else ACCELERATOR_BLOCK_BYTES,
-        gradient_block_bytes=CPU_BLOCK_BYTES if on_cpu else ACCELERATOR_BLOCK_BYTES,
-        min_block_rows=CPU_MIN_BLOCK if on_cpu else 1,
-        probe_options=tuple(_probe_options(backend).items()),
-        interpret=BACKEND is not None,
-    )
-    fusable = FUSED_PRODUCT and PAIR_PROGRAM and backend == "tpu" and float32 and dim >= FUSED_FEATURES_MIN
-    if fusable and _fused_takes(kernel, dim, plan):  # layer 7
-        plan = dataclasses.replace(plan, squared_distances=(Distance.FUSED, *plan.squared_distances))
-    by_gemm_only = not on_cpu and plan.block is Block.PAIR_PROGRAM
-    if plan.block in _PAIR_PROGRAMS and _pair_program_takes(kernel, dim, dtype, plan, by_gemm_only):
-        if on_cpu:
-            return plan
-        gradient = ACCELERATOR_WIDE_BLOCK_BYTES // 2 if plan.block is Block.PAIR_PROGRAM else plan.block_bytes
-        return dataclasses.replace(plan, block_bytes=ACCELERATOR_WIDE_BLOCK_BYTES, gradient_block_bytes=gradient)
-    own = Block.CROSS_COVARIANCE if hasattr(kernel, "cross_covariance") else Block.VMAP
-    return dataclasses.replace(plan, block=own)
+    backend, dtype = BACKEND or jax.default_backend(), jnp.dtype(dtype)
+    key = (_structure(kernel, dim, dtype), dim, dtype, backend, _settings())
+    if key not in _PLANS:
+        chunked = backend != "cpu" and hasattr(jax.lax, "optimization_barrier")  # JAX 0.4.31 on
+        own = CrossCovarianceForm() if hasattr(kernel, "cross_covariance") else VmapForm()
+        plan = Plan(backend, own, CONTRACTION_CHUNK if chunked else None, _contraction_precision())
+        for refine in _LAYERS:
+            plan = refine(plan, kernel, dim, dtype)
+        _PLANS[key] = plan
+    return _PLANS[key]
+
+
+def block_evaluation(kernel: PairKernel, dim: int, dtype=jnp.float32) -> str:
+    """How ``kernel_block`` computes blocks of ``kernel`` on ``dim`` features here, in a word: ``"vmap"``,
+    ``"cross_covariance"`` or a layer's form (``"pair program"``, naming any equations it vmaps on pairs)."""
+    return block_plan(kernel, dim, dtype).block.describe(kernel, dim, dtype)
+
+
+def _structure(kernel, dim, dtype):
+    """What a plan of ``kernel`` depends on: its pytree and its leaves' types where they are all arrays, else its
+    program (and its cross_covariance's) on abstract points."""
+    leaves, treedef = jax.tree_util.tree_flatten(kernel)
+    if all(map(_is_array, leaves)):
+        structure = (treedef, tuple((jnp.shape(a), jnp.result_type(a), getattr(a, "weak_type", False)) for a in leaves))
+        try:
+            hash(structure)
+            return structure
+        except TypeError:  # static pytree data that cannot be hashed (a slice, say)
+            pass
+    point = jax.ShapeDtypeStruct((dim,), dtype)
+    programs = [jax.make_jaxpr(lambda x, y: kernel(x, y))(point, point)]
+    if hasattr(kernel, "cross_covariance"):
+        programs.append(jax.make_jaxpr(kernel.cross_covariance)(*_probe_blocks(dim, dtype)))
+    return tuple(map(str, programs))
+
+
+def _settings():
+    """The module's settings (its public upper-case names: switches and constants, which the tests and the bench
+    change), JAX's and the layers present, as a plan depends on them."""
+    names = sorted(name for name in globals() if name.isupper() and not name.startswith("_"))
+    jax_settings = (jax.config.jax_default_matmul_precision, jax.config.jax_enable_x64)
+    return (*((name, repr(globals()[name])) for name in names), *jax_settings, *_LAYERS)
 
 
 def _contraction_precision():
@@ -314,30 +291,6 @@ def _contraction_precision():
     accelerator round a matrix-matrix product to bf16 (3 decimal digits on a TPU; TF32 on a GPU); HIGHEST is
     float32 everywhere and changes nothing on a CPU."""
     return None if jax.config.jax_default_matmul_precision is not None else jax.lax.Precision.HIGHEST
-
-
-def _float64_in_traces():
-    """Whether float64 values can be made in a trace, x64 on or off: from JAX 0.8 (before, x64 switched on inside
-    a trace failed to lower)."""
-    return hasattr(jax, "enable_x64") and _JAX_VERSION >= (0, 8)
-
-
-@functools.cache
-def _probe_options(backend):
-    """The _PROBE_OPTIONS for ``backend`` that this XLA knows (one older than jaxlib 0.5.3 has no
-    ``xla_cpu_use_fusion_emitters``)."""
-    options = _PROBE_OPTIONS.get(backend, {})
-    return {name: value for name, value in options.items() if _known_to_xla(backend, name, value)}
-
-
-def _known_to_xla(backend, name, value):
-    """Whether XLA compiles for ``backend`` with the option ``name`` set to ``value``."""
-    try:
-        with jax.default_device(jax.local_devices(backend=backend)[0]):
-            jax.jit(lambda x: x).lower(0.0).compile({name: value})
-    except Exception:  # XlaRuntimeError, by another name in each JAX: "No such compile option"
-        return False
-    return True
 
 
 # --------------------------------------------------------------------------
@@ -413,9 +366,47 @@ def _zeros_varying_like(shape, dtype, tree):
     return jnp.broadcast_to(zero, shape)
 
 
+def _product(op, rhs, dtype, block):
+    """``op @ rhs``, rhs [N, width], by the engine at ``block`` rows per block, each row block's product made as
+    the plan says (the sizing layers' way in: the product at a block of their choosing)."""
+    op, rhs = (op, rhs) if op.checkpoint else _warn_if_differentiated((op, rhs))
+    kernel, x1, cols, transposed, plan = op.kernel, jnp.asarray(op.x1), jnp.asarray(op.x2), op.transposed, op.plan
+    width = rhs.shape[1]
+    if isinstance(plan.block, CrossCovarianceForm) and transposed:  # its blocks are K's: X @ K by K's columns
+        return _columns_product(op, rhs.T, dtype, block)
+
+    def rows_times(rows):
+        return _contract(plan.block.make(kernel, rows, cols, transposed).astype(dtype), rhs, plan, width)
+
+    if plan.product is not None:
+        rows_times = plan.product.rows_times(op, x1, cols, rhs, rows_times)
+    return _blockwise_matmul(rows_times, x1, width, dtype, block, op.checkpoint, (op, rhs))
+
+
+def _columns_product(op, lhs, dtype, block):
+    """``K.T @ lhs.T`` for K = ``kernel.cross_covariance(x2, x1)``: ``lhs @ K`` by blocks of K's columns, each as
+    the kernel gives it, ``lhs`` [width, len(x2)] times it at columns of the result (transposing blocks, or
+    contracting them along their rows, took XLA:CPU 2x-7x the time of ``K @ X``)."""
+    cols, width = jnp.asarray(op.x2), lhs.shape[0]
+
+    def columns_times(points):
+        return _contract(lhs, op.kernel.cross_covariance(cols, points).astype(dtype), op.plan, width)
+
+    x1 = jnp.asarray(op.x1)
+    return _blockwise_matmul(columns_times, x1, width, dtype, block, op.checkpoint, (op, lhs), axis=1).T
+
+
 # --------------------------------------------------------------------------
 # 4. The operator
 # --------------------------------------------------------------------------
+
+
+class Measurement(NamedTuple):
+    """The block for one program (a product, or one gradient of it) and XLA's temporaries there."""
+
+    rows: int  # rows of K per block
+    peak_mb: float  # XLA's temporaries at that block, in MiB
+    limit_mb: float  # max_memory_mb + twice the data (x1, x2, kernel arrays, operand, result); nan if given
 
 
 @jax.tree_util.register_pytree_node_class
@@ -497,10 +488,11 @@ class LazyKernel:
         dtype = jnp.result_type(self.dtype, x.dtype)
         batch, k = x.shape[:-2], x.shape[-1]
         rhs = jnp.moveaxis(x, -2, 0).reshape(n, math.prod(batch) * k).astype(dtype)  # every batch in one pass
-        if self.batch_size is None and MEASURED_BLOCKS:
-            out = _measured_product(self, rhs, dtype)  # layer 5
+        sizing = self.plan.sizing
+        if self.batch_size is None and sizing is not None:
+            out = sizing.product(self, rhs, dtype)  # the sizing layer's, at its blocks, gradients' included
         else:
-            out = self._product(rhs, dtype, self.block_rows)
+            out = _product(self, rhs, dtype, self.block_rows)
         return jnp.moveaxis(out.reshape(m, *batch, k), 0, -2)
 
     def __rmatmul__(self, other):
@@ -530,49 +522,17 @@ class LazyKernel:
             )
         return x
 
-    def _product(self, rhs, dtype, block):
-        """``K @ rhs``, rhs [N, width], by the engine at ``block`` rows per block."""
-        op, rhs = (self, rhs) if self.checkpoint else _warn_if_differentiated((self, rhs))
-        kernel, x1, cols, transposed, plan = (
-            op.kernel,
-            jnp.asarray(op.x1),
-            jnp.asarray(op.x2),
-            op.transposed,
-            self._plan(),
-        )
-        width = rhs.shape[1]
-        if plan.block is Block.CROSS_COVARIANCE and transposed:  # a cross_covariance fills blocks of K only
-            return self._columns_product(rhs.T, dtype, block, op)
-
-        def rows_times(rows):
-            return _contract(_block(kernel, rows, cols, transposed, plan).astype(dtype), rhs, plan, width)
-
-        if Distance.FUSED in plan.squared_distances:  # layer 7, where it takes the product
-            budget = op.max_memory_mb * 2**20
-            rows_times = _fused_rows_times(kernel, x1, cols, rhs, transposed, plan, rows_times, budget)
-        return _blockwise_matmul(rows_times, x1, width, dtype, block, op.checkpoint, (op, rhs))
-
-    def _columns_product(self, lhs, dtype, block, op):
-        """``K.T @ lhs.T`` for K = ``kernel.cross_covariance(x2, x1)``: ``lhs @ K`` by blocks of K's columns, each as
-        the kernel gives it, ``lhs`` [width, len(x2)] times it at columns of the result (transposing blocks, or
-        contracting them along their rows, took XLA:CPU 2x-7x the time of ``K @ X``)."""
-        cols, plan = jnp.asarray(op.x2), self._plan()
-
-        def columns_times(points):
-            return _contract(lhs, op.kernel.cross_covariance(cols, points).astype(dtype), plan, lhs.shape[0])
-
-        return _blockwise_matmul(
-            columns_times, jnp.asarray(op.x1), lhs.shape[0], dtype, block, op.checkpoint, (op, lhs), axis=1
-        ).T
-
-    def _plan(self):
+    @property
+    def plan(self) -> Plan:
+        """The plan its blocks follow: ``block_plan(kernel, D, dtype)``."""
         return block_plan(self.kernel, self.x1.shape[1], jnp.result_type(self.x1.dtype, self.x2.dtype))
 
     @property
     def block_rows(self) -> int:
         """Rows of K per block in ``K @ v`` (at most ``batch_size_row``); a gradient's: ``measure(wrt=...)``."""
-        if self.batch_size is None and MEASURED_BLOCKS:
-            return _measured_block(self, 1, self.dtype).rows
+        sizing = self.plan.sizing
+        if self.batch_size is None and sizing is not None:
+            return sizing.measure(self, 1).rows
         return max(1, min(self.batch_size_row, self.shape[0]))
 
     @property
@@ -595,12 +555,9 @@ class LazyKernel:
         """
         if not set(wrt) <= {"kernel", "x1", "x2", "operand"}:
             raise ValueError(f'wrt names some of "kernel", "x1", "x2", "operand"; got {wrt!r}')
-        differentiated = _differentiated(self, wrt) if wrt else None
-        if wrt and not self.checkpoint:  # no block bounds what reverse mode stores: measured at the product's
-            product = _measured_block(self, width, self.dtype, given=self.batch_size)
-            stored = _measured_block(self, width, self.dtype, given=product.rows, differentiated=differentiated)
-            return stored._replace(limit_mb=product.limit_mb)
-        return _measured_block(self, width, self.dtype, given=self.batch_size, differentiated=differentiated)
+        if self.plan.sizing is None:
+            raise NotImplementedError("measure() needs the layer of measured blocks, off or cut from this file")
+        return self.plan.sizing.measure(self, width, wrt)
 
     # -- views ----------------------------------------------------------------
 
@@ -625,12 +582,15 @@ class LazyKernel:
         return jax.vmap(self.kernel)(*((x2, x1) if self.transposed else (x1, x2))).astype(self.dtype)
 
     def __repr__(self):
-        known = MEASURED_BLOCKS and _measured_block(self, 1, self.dtype, given=self.batch_size, cached_only=True)
+        plan = self.plan
+        known = plan.sizing and plan.sizing.measure(self, 1, cached_only=True)
         measured = f", block_rows={known.rows}, peak_mb={known.peak_mb:.3g}" if known else ""
+        forms = " + ".join(part.name for part in (plan.block, plan.sizing, plan.product) if part is not None)
         return (
             f"LazyKernel({self.kernel!r}, shape={self.shape}, dtype={self.dtype}, "
             f"max_memory_mb={self.max_memory_mb}, batch_size={self.batch_size}, checkpoint={self.checkpoint}, "
-            f"batch_size_row={self.batch_size_row}, batch_size_col={self.batch_size_col}{measured})"
+            f"batch_size_row={self.batch_size_row}, batch_size_col={self.batch_size_col}{measured}, "
+            f"form={forms!r}" + (f", notes={plan.notes!r}" if plan.notes else "") + ")"
         )
 
     # -- pytree --------------------------------------------------------------
@@ -675,35 +635,321 @@ def _warn_on_derivative(primals, tangents):
 
 
 # --------------------------------------------------------------------------
-# 5. Layer: the pair program, fast blocks with the vmap form's numbers
+# 5. python lazy_kernel.py: check this machine against a dense NumPy oracle
 # --------------------------------------------------------------------------
+
+
+# Points N(5, 1) and lengthscale sqrt(D) keep |x - y|^2 / lengthscale^2 near 2 at every D: no K underflows. The
+# operands are mostly positive (uniform on [-0.25, 1)), so that a relative error of K shows almost whole in a
+# product. Each result is compared with NumPy float64 on ``--check`` rows (columns for ``w @ K``), relative to its
+# scale (|K| |v|), and passes within the contract: 16 eps plus 4x the error of the vmap form (the kernel on each
+# pair on this device, summed elementwise). The vmap form must be within what float arithmetic allows: each K
+# within ((D + 8) z / 2 + EXP_ULPS) eps of the truth, z = |x - y|^2 / lengthscale^2 (the feature sum's D - 1
+# roundings and 9 for the difference, scaling and squares, carried through exp; and exp's own error). Every device
+# runs the whole check (one program, replicated), and is judged on its own.
+
+EXP_ULPS = {"float32": 256, "float64": 2048}  # exp's error allowed: a TPU v5e's errs up to 116 ulp, past 256 in float64
+SANITY_CONTRACT_EPS = 16  # the operator's contract: 16 eps of the scale plus 4x the vmap form's error
+CHECK_DIMS = (3, 16, 128)  # a form of each kind the plan picks: features written out or a loop; the fused form
+# (TPU) or the float64 GEMM (CPU); int8 digits (TPU) or the GEMM
+FLOAT64_ACCELERATOR_BATCH = 512  # float64 off the CPU: emulated, its blocks' measurements compile for minutes
+INSTALL = {"tpu": 'pip install -e ".[tpu]"', "gpu": 'pip install -e ".[cuda12]" (or ".[cuda13]")'}
+_TPU_PCI_DEVICES = ("0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f", "0x0076")  # Google's, as JAX lists
+
+
+def _accelerator_here():
+    """An accelerator this machine shows, whether or not JAX can use it: "tpu" (a Google TPU chip on PCI, as JAX
+    looks for one), "gpu" (an NVIDIA GPU's device file), else None."""
+    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        with open(vendor) as f, open(os.path.join(os.path.dirname(vendor), "device")) as g:
+            if f.read().strip() == "0x1ae0" and g.read().strip() in _TPU_PCI_DEVICES:
+                return "tpu"
+    return "gpu" if any(map(os.path.exists, ("/dev/nvidia0", "/dev/nvidiactl"))) else None
+
+
+def _wrong_platform(asked):
+    """Why this check cannot run on the platform ``asked`` (None: JAX's default), or None where it can."""
+    default = jax.default_backend()
+    if asked not in (None, default):
+        try:
+            jax.devices(asked)
+        except RuntimeError:
+            install = f": install JAX for it ({INSTALL[asked]})" if asked in INSTALL else ""
+            return f"JAX finds no {asked} here (it runs on {default}){install}"
+        return f"JAX runs on {default} by default here; check {asked} with JAX_PLATFORMS={asked}"
+    seen = _accelerator_here()
+    if asked is None and default == "cpu" and seen:
+        return (
+            f"this machine has a {seen.upper()}, but JAX runs on the CPU: install JAX for it ({INSTALL[seen]}), "
+            "or check the CPU with --platform cpu"
+        )
+    return None
+
+
+def _rbf_numpy(x1, x2, lengthscale, variance):
+    """Dense RBF rows in NumPy float64, independent of everything above, a feature at a time; and z."""
+    z = np.zeros((len(x1), len(x2)))
+    for d in range(x1.shape[1]):
+        z += ((x1[:, d, None] - x2[None, :, d]) / lengthscale) ** 2
+    return variance * np.exp(-0.5 * z), z
+
+
+def _on_every_device(f, devices):
+    """``f`` jitted to run whole on each device, every input replicated, its outputs stacked [devices, ...]."""
+    stacked = lambda *args: jax.tree_util.tree_map(lambda out: out[None], f(*args))  # noqa: E731
+    if len(devices) == 1:
+        return jax.jit(stacked)
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(devices), ("devices",))
+    return jax.jit(_shard_map()(stacked, mesh=mesh, in_specs=P(), out_specs=P("devices")))
+
+
+def _shard_map():
+    """``jax.shard_map``, or its older home in ``jax.experimental``."""
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map
+    from jax.experimental.shard_map import shard_map
+
+    return shard_map
+
+
+def _compiled(calls):
+    """Each ``(jitted function, arguments)`` traced here, then all compiled at once in threads (XLA compiles
+    without Python's lock): compiling one at a time took most of a TPU v5e's check in float64 (79 s at D = 64)."""
+    lowered = [f.lower(*f_args) for f, f_args in calls]
+    with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
+        return list(pool.map(lambda program: program.compile(), lowered))
+
+
+def _timed(f, *args, repeats=3):
+    """``f(*args)`` (its first run) and the median seconds of ``repeats`` more."""
+    result = jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - start)
+    return result, float(np.median(times))
+
+
+def _vmap_form(kernel, x1, x2, rows, cols, v, w, operand):
+    """The reference on this device: for each checked row, K's row by vmapping the pair call, its products with v
+    and ``operand`` and its row of the gradient of w.(K @ v) in x1; for each checked column, w @ K's entry; in the
+    order of ``_check``'s cases. Sums elementwise, a row at a time: no matrix unit, no [rows, N, D] array."""
+    row_of = lambda a: jax.vmap(kernel, (None, 0))(a, x2)  # noqa: E731
+
+    def row(i):
+        k = row_of(x1[i])
+        gradient = w[i] * jax.grad(lambda a: jnp.sum(row_of(a) * v))(x1[i])
+        return k, jnp.sum(k * v), jnp.sum(k[:, None] * operand, 0), gradient
+
+    column = lambda j: jnp.sum(w * jax.vmap(kernel, (0, None))(x1, x2[j]))  # noqa: E731
+    k, k_v, k_operand, gradient = jax.lax.map(row, rows)
+    return k, k_v, k_operand, jax.lax.map(column, cols), gradient
+
+
+def _named(device):
+    return f"device {device.id} ({device.device_kind})"
+
+
+def _relative_errors(got, want, scale):
+    """Each device's worst error relative to the scale: ``got`` [devices, ...] against ``want`` [...]."""
+    return np.max(np.abs(np.asarray(got, np.float64) - want) / scale, axis=tuple(range(1, np.ndim(got))))
+
+
+def _check(dim, devices, args):
+    """The check at ``dim`` features on every device: prints a line per case; returns what failed, if anything."""
+    dtype, on_cpu = args.dtype, devices[0].platform == "cpu"
+    n = args.n or (16384 if on_cpu else 65536 if dtype == "float32" else 4096)
+    eps = float(np.finfo(dtype).eps)
+    lengthscale, variance = (float(np.asarray(a, dtype)) for a in (np.sqrt(dim), 1.3))  # as JAX has them
+    rng = np.random.default_rng(dim)
+    x1, x2 = (np.asarray(rng.normal(size=(n, dim)) + 5.0, dtype) for _ in range(2))
+    v, w = (np.asarray(rng.uniform(-0.25, 1, size=n), dtype) for _ in range(2))
+    wide = np.asarray(rng.uniform(-0.25, 1, size=(n, args.width)), dtype)
+    kernel = RBF(jnp.asarray(lengthscale, dtype), jnp.asarray(variance, dtype))
+    batch_size = args.batch_size
+    if batch_size is None and dtype == "float64" and not on_cpu:
+        batch_size = FLOAT64_ACCELERATOR_BATCH
+    settings = dict(max_memory_mb=args.max_memory_mb, batch_size=batch_size)
+    rows = np.sort(rng.choice(n, size=min(args.check, n), replace=False))
+
+    def lazy(x1, x2, checkpoint=False):
+        return LazyKernel(kernel, x1, x2, checkpoint=checkpoint, **settings)
+
+    def loss(x1, x2, v, w):
+        return jnp.vdot(w, lazy(x1, x2, args.checkpoint) @ v)
+
+    cases = {  # name: (function of x1 x2 operand, its operand's name)
+        "K @ v": (lambda x1, x2, v: (lazy(x1, x2) @ v)[rows], "v"),
+        f"K @ X ({args.width} columns)": (lambda x1, x2, wide: (lazy(x1, x2) @ wide)[rows], "wide"),
+        "w @ K": (lambda x1, x2, w: (w @ lazy(x1, x2))[rows], "w"),
+        "grad_x1 w.(K @ v)": (lambda x1, x2, v, w: jax.grad(loss)(x1, x2, v, w)[rows], "v w"),
+    }
+    op = LazyKernel(kernel, jnp.asarray(x1), jnp.asarray(x2), **settings)
+    plan = block_plan(kernel, dim, dtype)
+    forms = " + ".join(part.name for part in (plan.block, plan.sizing, plan.product) if part is not None)
+    print(f"\nD = {dim}: K {n} x {n}, {dtype}, RBF(lengthscale sqrt(D), variance 1.3), points N(5, 1); form: {forms}")
+    given = " (given: float64 off the CPU)" if batch_size != args.batch_size else ""
+    print(f"blocks used: {op.block_rows} rows of {n} in K @ v, {op.block_cols} columns in w @ K{given}")
+
+    arrays = dict(zip(("x1", "x2", "v", "w", "wide"), map(jnp.asarray, (x1, x2, v, w, wide)), strict=True))
+    calls = [
+        (
+            _on_every_device(functools.partial(_vmap_form, kernel), devices),
+            [arrays["x1"], arrays["x2"], rows, rows, arrays["v"], arrays["w"], arrays["wide"]],
+        ),
+        *(
+            (_on_every_device(f, devices), [arrays["x1"], arrays["x2"], *(arrays[a] for a in names.split())])
+            for f, names in cases.values()
+        ),
+    ]
+    vmap_form, *compiled = _compiled(calls)
+    k_vmap, *vmap_results = (np.asarray(a, np.float64) for a in vmap_form(*calls[0][1]))
+
+    x1, x2, v, w, wide = (np.asarray(a, np.float64) for a in (x1, x2, v, w, wide))
+    k_rows, z = _rbf_numpy(x1[rows], x2, lengthscale, variance)  # K[rows, :]
+    k_cols = _rbf_numpy(x1, x2[rows], lengthscale, variance)[0]  # K[:, rows]
+    weighted = k_rows * v  # the terms of the gradient's sums, below
+    gradient = w[rows, None] * (weighted @ x2 - x1[rows] * weighted.sum(1, keepdims=True)) / lengthscale**2
+    terms = [np.abs(weighted * (x2[:, d] - x1[rows, d, None])).sum(1) for d in range(dim)]  # a feature's
+    truths = [  # each case's truth at the rows checked, and its scale
+        (k_rows @ v, k_rows @ np.abs(v)),
+        (k_rows @ wide, k_rows @ np.abs(wide)),
+        (w @ k_cols, np.abs(w) @ k_cols),
+        (gradient, np.abs(w[rows, None]) * np.stack(terms, 1) / lengthscale**2),
+    ]
+    allowed = ((dim + 8) * z / 2 + EXP_ULPS[dtype]) * eps
+    kernel_errors = np.max(np.abs(k_vmap - k_rows) / (k_rows * allowed), axis=(1, 2))
+    print(f"{'kernel values, vmap form':>26}: {kernel_errors.max():.2f} of the error float arithmetic allows", end=" ")
+    print("ok" if kernel_errors.max() <= 1 else "FAIL")
+    failures = [
+        f"D = {dim}: the kernel's values err {e:.3g}x what float arithmetic allows on {_named(devices[i])}: "
+        "exp or arithmetic"
+        for i, e in enumerate(kernel_errors)
+        if e > 1
+    ]
+    for name, f, (_, f_args), vmapped, (want, scale) in zip(
+        cases, compiled, calls[1:], vmap_results, truths, strict=True
+    ):
+        result, seconds = _timed(f, *f_args)
+        errors, vmap_errors = _relative_errors(result, want, scale), _relative_errors(vmapped, want, scale)
+        tolerances = SANITY_CONTRACT_EPS * eps + 4 * vmap_errors
+        worst = int(np.argmax(errors / tolerances))
+        print(
+            f"{name:>26}: {seconds * 1e3:9.2f} ms, {n * n / seconds:8.3g} pairs/s, error {errors[worst]:.2e} "
+            f"(vmap form {vmap_errors[worst]:.2e}; allowed {tolerances[worst]:.2e}) "
+            + ("ok" if np.all(errors <= tolerances) else "FAIL")
+        )
+        failures += [
+            f"D = {dim}: {name} ({e / t:.3g}x the contract) on {_named(devices[i])}"
+            for i, (e, t) in enumerate(zip(errors, tolerances, strict=True))
+            if e > t
+        ]
+    return failures
+
+
+def _dims(text):
+    """``--dim``'s value: features per point, one number or a comma-separated list."""
+    try:
+        dims = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"features per point, such as 16 or 3,16,128; got {text!r}") from None
+    if not dims or min(dims) < 1:
+        raise argparse.ArgumentTypeError(f"features per point must be at least 1; got {text!r}")
+    return dims
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(description="Check LazyKernel on this machine against dense NumPy rows.")
+    parser.add_argument("--platform", choices=["cpu", "gpu", "tpu"], help="fail unless JAX runs there")
+    parser.add_argument(
+        "--n", type=int, help="points in x1 and in x2 (M = N); 16384 on CPU, 65536 on an accelerator (4096 in float64)"
+    )
+    parser.add_argument("--dim", type=_dims, default=CHECK_DIMS, help="features per point, or a list: 3,16,128")
+    parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    parser.add_argument("--width", type=int, default=16, help="columns of X in K @ X")
+    parser.add_argument("--max-memory-mb", type=float, default=2**10, help="budget for the blocks")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        help=f"rows/columns per block; measured, but {FLOAT64_ACCELERATOR_BATCH} in float64 off the CPU",
+    )
+    checkpoint = argparse.BooleanOptionalAction
+    parser.add_argument("--checkpoint", action=checkpoint, default=True, help="checkpoint the gradient's blocks")
+    parser.add_argument("--check", type=int, default=64, help="rows and columns compared with NumPy")
+    args = parser.parse_args(argv)
+    for name in ("n", "width", "batch_size", "check"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1; got {getattr(args, name)}")
+    if not (args.max_memory_mb >= 0 and math.isfinite(args.max_memory_mb)):
+        parser.error(f"--max-memory-mb must be a finite number >= 0; got {args.max_memory_mb}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    wrong = _wrong_platform(args.platform)
+    if wrong:
+        print(f"FAIL: {wrong}")
+        return 1
+    if args.dtype == "float64":
+        jax.config.update("jax_enable_x64", True)
+    devices = jax.devices()
+    kinds = ", ".join(sorted({d.device_kind for d in devices}))
+    print(f"platform: {devices[0].platform}, {len(devices)} x {kinds}; jax {jax.__version__}")
+    print(f"each device runs the whole check; budget {args.max_memory_mb:g} MB; D = {', '.join(map(str, args.dim))}")
+    failures = [failure for dim in args.dim for failure in _check(dim, devices, args)]
+    if failures:
+        print(
+            f"FAIL: {'; '.join(failures)}. The contract: {SANITY_CONTRACT_EPS} eps + 4x the vmap form's error; a "
+            "product rounded to bf16 errs about 1e-3"
+        )
+    else:
+        print("PASS")
+    return 1 if failures else 0
+
+
+# --- begin optional layer: pair program ---
 #
 # ``_vmap_block`` is a [b, n, D] computation whose short feature sum XLA on CPU
 # runs several times slower than the exponential after it, its gradient tens of
-# times. ``_pair_program_block`` runs the kernel's jaxpr (its program on one
-# pair of points) once on the whole block, equation by equation (``_run``, the
-# loop of JAX's "Writing custom interpreters"; ``_RULES`` chooses each rule),
-# holding each value of shape S (say [D] or []) as
+# times. The pair program runs the kernel's jaxpr (its program on one pair of
+# points) once on the whole block, equation by equation (``_run``; ``_RULES``
+# chooses each rule), holding each value of shape S (say [D] or []) as
 #
 # - an array [B, N, *S], B in {1, b} and N in {1, n}: a value of x alone is
 #   [b, 1, *S], of y alone [1, n, *S], of neither [1, 1, *S], so whatever
 #   depends on one point is computed once per point, not once per pair;
-# - ``_WrittenOut``: a value of both points with at most the plan's
+# - ``_WrittenOut``: a value of both points with at most the form's
 #   ``written_out`` features, as one [b, n] array each;
 # - ``_ByFeature``: one with more, as a function from a feature index to its
-#   [b, n] array, summed as the plan's ``feature_sum`` says: in a ``fori_loop``
+#   [b, n] array, summed as the form's ``feature_sum`` says: in a ``fori_loop``
 #   whose body reverse mode recomputes, or at once on [b, n, D] values.
 #
 # Every rule applies the vmap form's primitives to the same values, except:
 # sums may add their terms in another order; two points scaled alike are
 # subtracted before they are scaled (``_Scaled``); a square of a value of both
 # points is ``a ** 2`` (reverse mode through ``a * a`` adds ``ct * a`` twice);
-# and |s (x - y)|^2 (``_squaring``) is computed as the plan's
+# and |s (x - y)|^2 (``_squaring``) is computed as the form's
 # ``squared_distances`` say (``_sum_of_squares``). An equation no rule takes is
 # vmapped on its own (``_by_vmap``).
+#
+# On a CPU the program runs every kernel it takes, summing over more than a few features in a loop. On an
+# accelerator the vector unit's lanes hold those features, mostly empty at small D: there the program writes
+# features out at small D (values only: its derivatives compiled slowly and ran slower), and from
+# GEMM_FEATURES_MIN runs where d^2 is the GEMM. bench_lazy_kernel.py measured each constant (its docstring says how).
 
+PAIR_PROGRAM = True  # False: every block is the vmap form (or the kernel's cross_covariance)
+SPLIT_FEATURES_MAX = 2  # on CPU, from 3 features the loop was faster than values written out
+ACCELERATOR_FEATURES = range(2, 65)  # off the CPU, features written out beat the vmap form's lanes here
+GEMM_FEATURES_MIN = 128  # below it, too many pairs a GEMM cannot vouch for: the fallback costs more
+WIDE_GEMM_FEATURES_MIN = 8  # on CPU, the float64 GEMM beats the loop from here
 SUM_CHUNK = 4  # features summed pairwise per step of the loop (_looped_sum)
-
+ACCELERATOR_WIDE_BLOCK_BYTES = 256 * 2**20  # off the CPU, its blocks' fastest bytes (half for their gradient)
+_JAX_VERSION = tuple(int(part) for part in jax.__version__.split(".")[:2])
 _ELEMENTWISE = frozenset(
     "abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp complex conj convert_element_type copy "
     "copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag integer_pow is_finite le "
@@ -712,50 +958,132 @@ _ELEMENTWISE = frozenset(
 )
 
 
-def _pair_program_takes(kernel, dim, dtype, plan, by_gemm_only):
-    """Whether the pair program makes blocks of ``kernel`` as ``plan`` says: a kernel without effects whose
-    ``cross_covariance``, if any, is the vmap form; ``by_gemm_only``, one with a squared distance (the GEMM's)."""
+class FeatureSum(enum.Enum):
+    """How the pair program sums a value of both points over more features than it writes out."""
+
+    LOOP = "a loop adding one [b, n] array per feature, recomputed in reverse mode"
+    AT_ONCE = "at once, on [b, n, D] values (on an accelerator a loop is a pass over memory per feature)"
+
+
+class Distance(enum.Enum):
+    """A way to compute |s (x - y)|^2 for every pair of a block, besides the direct sum over features."""
+
+    GEMM = "|a|^2 + |b|^2 - 2 a.b, where its error bound is within 4x the direct sum's"
+    FLOAT64_GEMM = "float32 points by the GEMM in float64, where the kernel takes its error"
+
+
+@dataclasses.dataclass(frozen=True)
+class PairProgramForm:
+    """Blocks from the kernel's program run on whole blocks, and everything that shapes that run."""
+
+    name = "pair program"
+    values_only: bool  # differentiated as the vmap form (off the CPU at small D), else as it is
+    written_out: int  # a value of both points with at most this many features: one [b, n] array each
+    feature_sum: FeatureSum  # a value with more
+    squared_distances: tuple[Distance, ...]  # each falls back to the next, the last to the direct sum
+    gemm_precision: jax.lax.Precision  # of d^2's GEMM: float32 where an accelerator would round to bf16
+    sum_chunk: int  # features summed pairwise per step of a loop
+    chunked_derivative: bool  # the loop's derivative one feature at a time (JAX 0.10 on)
+    fastest_bytes: tuple[int, int | None] | None  # its blocks' fastest bytes, product and gradient (None: default)
+
+    def make(self, kernel, xa, xb, transposed):
+        if not (xa.shape[0] and xb.shape[0]):
+            return _vmap_block(kernel, xa, xb, transposed)
+        if not self.values_only:
+            return _pair_program_run(kernel, xa, xb, transposed, self).block
+        pair, consts = jax.closure_convert(
+            lambda x, y: kernel(x, y), *((xb[0], xa[0]) if transposed else (xa[0], xb[0]))
+        )
+        return _values_block(pair, transposed, self, xa, xb, *consts)
+
+    def describe(self, kernel, dim, dtype):
+        vmapped = sorted(_probe_run(kernel, dim, dtype, self).vmapped)
+        return self.name + (f" (by vmap: {', '.join(vmapped)})" if vmapped else "")
+
+
+def _pair_program_plan(plan, kernel, dim, dtype):
+    """The plan's block by the pair program where it takes the kernel: on a CPU at every D, off it where features
+    are written out, or (float32) where d^2 is the GEMM; else the plan as it was, and why."""
+    on_cpu, float32 = plan.backend == "cpu", dtype == jnp.float32
+    gemm = dim >= GEMM_FEATURES_MIN and (float32 or (on_cpu and dtype == jnp.float64))  # no fast float64 elsewhere
+    wide = on_cpu and float32 and dim >= WIDE_GEMM_FEATURES_MIN and _float64_in_traces()
+    if not PAIR_PROGRAM:
+        return plan.noted("not the pair program: PAIR_PROGRAM is off")
+    if not (on_cpu or dim in ACCELERATOR_FEATURES or gemm):
+        return plan.noted(f"not the pair program: D = {dim} off the CPU, with no GEMM for d^2")
+    values_only = not on_cpu and dim in ACCELERATOR_FEATURES
+    form = PairProgramForm(
+        values_only=values_only,
+        written_out=SPLIT_FEATURES_MAX if on_cpu else max(ACCELERATOR_FEATURES),
+        feature_sum=FeatureSum.LOOP if on_cpu else FeatureSum.AT_ONCE,
+        squared_distances=(Distance.GEMM,) * gemm + (Distance.FLOAT64_GEMM,) * wide,
+        gemm_precision=jax.lax.Precision.HIGHEST,
+        sum_chunk=SUM_CHUNK,
+        chunked_derivative=_JAX_VERSION >= (0, 10),  # 0.4.30's scan transpose rejected it (0.5 to 0.9 untried)
+        fastest_bytes=None
+        if on_cpu
+        else (ACCELERATOR_WIDE_BLOCK_BYTES, None if values_only else ACCELERATOR_WIDE_BLOCK_BYTES // 2),
+    )
+    reason = _pair_program_refuses(kernel, dim, dtype, form, by_gemm_only=not (on_cpu or values_only))
+    if reason:
+        return plan.noted(f"not the pair program: {reason}")
+    if wide and not _tails_widen(kernel, dim, dtype, form):  # the float64 GEMM needs the tail in float64
+        form = dataclasses.replace(form, squared_distances=form.squared_distances[:-1])
+    return dataclasses.replace(plan, block=form)
+
+
+def _float64_in_traces():
+    """Whether float64 values can be made in a trace, x64 on or off: from JAX 0.8 (before, x64 switched on inside
+    a trace failed to lower)."""
+    return hasattr(jax, "enable_x64") and _JAX_VERSION >= (0, 8)
+
+
+def _pair_program_refuses(kernel, dim, dtype, form, by_gemm_only):
+    """Why the pair program cannot make blocks of ``kernel`` as ``form`` says, or None: it takes a kernel without
+    effects whose ``cross_covariance``, if any, is the vmap form; ``by_gemm_only``, one with a squared distance."""
     point = jax.ShapeDtypeStruct((dim,), dtype)
-    if not _vmap_or_no_cross_covariance(kernel, dim, dtype) or _pair_program(kernel, point, point).jaxpr.effects:
-        return False
-    direct = dataclasses.replace(plan, squared_distances=())  # enough to see whether the program has a d^2
-    return not by_gemm_only or _probe_run(kernel, dim, dtype, direct).squared_distance
+    if not _vmap_or_no_cross_covariance(kernel, dim, dtype):
+        return "a cross_covariance of its own"
+    if _pair_program(kernel, point, point).jaxpr.effects:
+        return "a kernel with effects"
+    direct = dataclasses.replace(form, squared_distances=())  # enough to see whether the program has a d^2
+    if by_gemm_only and not _probe_run(kernel, dim, dtype, direct).distances:
+        return f"D = {dim} off the CPU, with no squared distance for the GEMM"
+    return None
 
 
-def _probe_run(kernel, dim, dtype, plan):
+def _tails_widen(kernel, dim, dtype, form):
+    """Whether the kernel, as a function of each d^2 it sums, runs on float64 values (``_in_float64``)."""
+    run = _probe_run(kernel, dim, dtype, dataclasses.replace(form, squared_distances=()))
+    return all(_in_float64(tail) is not None for tail in map(run.tail, (eqn for _, eqn in run.distances)) if tail)
+
+
+def _probe_run(kernel, dim, dtype, form):
     """The pair program's run on small abstract blocks (traced, not run)."""
     runs, (xa, xb) = [], _probe_blocks(dim, dtype)
-    jax.eval_shape(lambda xa, xb: runs.append(_pair_program_run(kernel, xa, xb, False, plan)), xa, xb)
+    jax.eval_shape(lambda xa, xb: runs.append(_pair_program_run(kernel, xa, xb, False, form)), xa, xb)
     return runs[0]
 
 
-def _pair_program_block(kernel, xa, xb, transposed, plan):
-    """The block ``kernel_block`` asks for, from the kernel's jaxpr run on whole blocks. With the plan's block
-    ``PAIR_PROGRAM_VALUES``, differentiated as the vmap form (jvp, grad, hessian alike): on a TPU v5e, XLA compiled
-    one gradient of the program's block for minutes, and at D = 8 ran it 3.3x slower than the vmap form's."""
-    if plan.block is Block.PAIR_PROGRAM:
-        return _pair_program_run(kernel, xa, xb, transposed, plan).block
-    pair, consts = jax.closure_convert(lambda x, y: kernel(x, y), *((xb[0], xa[0]) if transposed else (xa[0], xb[0])))
-    return _values_block(pair, transposed, plan, xa, xb, *consts)
-
-
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
-def _values_block(pair, transposed, plan, xa, xb, *consts):
-    return _pair_program_run(lambda x, y: pair(x, y, *consts), xa, xb, transposed, plan).block
+def _values_block(pair, transposed, form, xa, xb, *consts):
+    """The pair program's block, differentiated as the vmap form (jvp, grad, hessian alike): on a TPU v5e, XLA
+    compiled one gradient of the program's block for minutes, and at D = 8 ran it 3.3x slower than the vmap form's."""
+    return _pair_program_run(lambda x, y: pair(x, y, *consts), xa, xb, transposed, form).block
 
 
 @_values_block.defjvp
-def _values_block_jvp(pair, transposed, plan, primals, tangents):
+def _values_block_jvp(pair, transposed, form, primals, tangents):
     vmapped = lambda xa, xb, *consts: _vmap_block(lambda x, y: pair(x, y, *consts), xa, xb, transposed)  # noqa: E731
     return jax.jvp(vmapped, primals, tangents)
 
 
-def _pair_program_run(kernel, xa, xb, transposed, plan):
-    """The kernel's program run on the block: its ``block``, and what the rules did (``vmapped``, ...)."""
+def _pair_program_run(kernel, xa, xb, transposed, form):
+    """The kernel's program run on the block: its ``block``, and what the rules did (``vmapped``, ``distances``)."""
     first, second = (xb, xa) if transposed else (xa, xb)
     program = _pair_program(kernel, first[0], second[0])  # traced on them: under shard_map, as they vary
     rows, cols = xa[:, None, :], xb[None, :, :]  # [b, 1, D] and [1, n, D]: values of x alone, of y alone
-    run = _Run(program, _scaled_inputs(*((cols, rows) if transposed else (rows, cols)), plan), plan)
+    run = _Run(program, _scaled_inputs(*((cols, rows) if transposed else (rows, cols)), form), form)
     run.block = jnp.broadcast_to(run.value(), (xa.shape[0], xb.shape[0]))
     return run
 
@@ -768,7 +1096,7 @@ class _WrittenOut:
 
 
 class _ByFeature:
-    """A value of both points with more features than the plan writes out, shape [D]: ``feature(i)`` computes
+    """A value of both points with more features than the form writes out, shape [D]: ``feature(i)`` computes
     feature ``i`` (traced) as a [b, n] array, ``dense()`` all of them as [b, n, D].
 
     ``difference``: the two _Scaled points, where the value is their difference scaled (``steps(x - y)``);
@@ -781,20 +1109,18 @@ class _ByFeature:
 
 
 def _pair_program(kernel, x, y):
-    """The kernel's program on one pair of points ``x`` and ``y``. The pair program takes no kernel with effects
-    (``jax.debug.print``, say), nor one whose own ``cross_covariance`` is more than the vmap form."""
+    """The kernel's program on one pair of points ``x`` and ``y``."""
     return jax.make_jaxpr(lambda x, y: kernel(x, y))(x, y)  # __name__ may not be a str
 
 
 class _Run:
-    """One evaluation of a kernel's program on a block, as the rules see it, made as ``plan`` says. ``vmapped``
-    collects the equations vmapped on values of both points; ``given`` maps equations (by id) to the outputs a tail
-    probe gives them."""
+    """One evaluation of a kernel's program on a block, as the rules see it, made as ``form`` says. ``vmapped``
+    collects the equations vmapped on values of both points; ``distances`` the sums |s (x - y)|^2 it found (the
+    two _Scaled points, the equation); ``given`` maps equations (by id) to the outputs a tail probe gives them."""
 
-    def __init__(self, program, inputs, plan, given=None):
-        self.program, self.inputs, self.plan, self.given, self.vmapped = program, inputs, plan, given or {}, set()
-        self.squared_distance = False  # whether the program sums |s (x - y)|^2 (_sum_of_squares)
-        self.fusable = None  # with Distance.FUSED planned: (the two _Scaled points, the equation of that sum)
+    def __init__(self, program, inputs, form, given=None):
+        self.program, self.inputs, self.form, self.given, self.vmapped = program, inputs, form, given or {}, set()
+        self.distances = []
 
     def value(self):
         """The block, [B, N] with B in {1, b} and N in {1, n}."""
@@ -806,7 +1132,7 @@ class _Run:
         that output given: a ClosedJaxpr from a scalar to [1, 1]; None where the value depends on the points
         otherwise too, or is not a float (argmax's has no derivatives)."""
         given = lambda out: {**self.given, id(eqn): [out.reshape(1, 1)]}  # noqa: E731
-        program = jax.make_jaxpr(lambda out: _Run(self.program, self.inputs, self.plan, given(out)).value())
+        program = jax.make_jaxpr(lambda out: _Run(self.program, self.inputs, self.form, given(out)).value())
         program = program(jnp.zeros((), eqn.outvars[0].aval.dtype))
         out = program.out_avals[0]
         return program if out.shape == (1, 1) and jnp.issubdtype(out.dtype, jnp.floating) else None
@@ -815,27 +1141,33 @@ class _Run:
 _CALLS = ("pjit", "jit", "closed_call")  # run inline, so that their equations meet the rules
 
 
-def _run(jaxpr, consts, args, run):
-    """Evaluate ``jaxpr`` on block values: the loop of JAX's "Writing custom interpreters"."""
-    env = {}
+def _evaluate(jaxpr, consts, args, equation, literal):
+    """Evaluate ``jaxpr`` on ``args``: the loop of JAX's "Writing custom interpreters", each equation's outputs by
+    ``equation(eqn, read)`` (``read(var)``: a variable's value; a literal's is ``literal(var)``). The one
+    evaluator: the pair program (_run), its float64 probe (_run_widened) and the fused form's tail (_on_tile,
+    _hoisted) each bring their ``equation``."""
+    env = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
 
     def read(var):
-        if isinstance(var, jax.extend.core.Literal):
-            return jnp.asarray(var.val, var.aval.dtype)[None, None]
-        return env[var]
+        return literal(var) if isinstance(var, jax.extend.core.Literal) else env[var]
 
-    env.update(zip(jaxpr.constvars, [jnp.asarray(c)[None, None] for c in consts], strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
-    done = {}  # equation key -> (its arguments, kept alive so that their ids stay theirs; its outputs)
     for eqn in jaxpr.eqns:
+        env.update(zip(eqn.outvars, equation(eqn, read), strict=True))
+    return [read(var) for var in jaxpr.outvars]
+
+
+def _run(jaxpr, consts, args, run):
+    """Evaluate ``jaxpr`` on block values as the pair program ``run`` does (see this layer's head)."""
+    done = {}  # equation key -> (its arguments, kept alive so that their ids stay theirs; its outputs)
+
+    def equation(eqn, read):
         if id(eqn) in run.given:
-            env.update(zip(eqn.outvars, run.given[id(eqn)], strict=True))
-            continue
+            return run.given[id(eqn)]
         args = [read(var) for var in eqn.invars]
         key = _equation_key(eqn, args)
         if key in done:  # computed before (GPJax's softplus of its lengthscale, twice): the same values
-            env.update(zip(eqn.outvars, done[key][1], strict=True))
-            continue
+            return done[key][1]
         if eqn.primitive.name in _CALLS:
             inner = _called(eqn)
             outs = _run(inner.jaxpr, inner.consts, args, run)
@@ -849,8 +1181,10 @@ def _run(jaxpr, consts, args, run):
             outs = _by_vmap(eqn, args)
         if key is not None:
             done[key] = (args, outs)
-        env.update(zip(eqn.outvars, outs, strict=True))
-    return [read(var) for var in jaxpr.outvars]
+        return outs
+
+    consts = [jnp.asarray(c)[None, None] for c in consts]
+    return _evaluate(jaxpr, consts, args, equation, lambda var: jnp.asarray(var.val, var.aval.dtype)[None, None])
 
 
 def _called(eqn):
@@ -872,11 +1206,11 @@ def _equation_key(eqn, args):
     return eqn.primitive, params, tuple(map(id, args))
 
 
-def _elementwise(eqn, args, plan):
-    """An elementwise equation: per feature on a value of both points with 1 to the plan's ``written_out``
+def _elementwise(eqn, args, form):
+    """An elementwise equation: per feature on a value of both points with 1 to the form's ``written_out``
     features, feature by feature on one with more (_ByFeature), else on the arguments broadcast against each
     other."""
-    shape, written_out = eqn.outvars[0].aval.shape, plan.written_out
+    shape, written_out = eqn.outvars[0].aval.shape, form.written_out
     if _of_both(args) and shape and 0 < math.prod(shape) <= written_out:
         parts = np.empty(shape, object)
         for index in np.ndindex(shape):
@@ -926,7 +1260,7 @@ def _broadcast_elementwise(eqn, args):
 
 
 def _feature_sum_rule(eqn, args, run):
-    """``reduce_sum`` of a _WrittenOut: a sum of [b, n] arrays; of a _ByFeature: the plan's feature sum."""
+    """``reduce_sum`` of a _WrittenOut: a sum of [b, n] arrays; of a _ByFeature: the form's feature sum."""
     (a,) = args
     if isinstance(a, _ByFeature):
         return [_sum_of_squares(eqn, run, a.size, a.square_of, a.feature, a.dense)]
@@ -957,13 +1291,13 @@ def _feature_dot_rule(eqn, args, run):
             return [_sum_of_squares(eqn, run, size, getattr(x, "difference", None), _squared(_features_of(x)), square)]
         product = lambda: _dense(x) * _dense(y)  # noqa: E731
         x, y = _features_of(x), _features_of(y)
-        return [_feature_sum(size, lambda i: x(i) * y(i), product, run.plan)]
+        return [_feature_sum(size, lambda i: x(i) * y(i), product, run.form)]
     return [_pairwise([_feature(x, (d,)) * _feature(y, (d,)) for d in range(inputs[0].shape[0])])]
 
 
 def _elementwise_rule(eqn, args, run):
     """Scaling a point, or subtracting two scaled alike (_scaling_rule); else _elementwise."""
-    return _scaling_rule(eqn, args) or _elementwise(eqn, list(map(_evaluated, args)), run.plan)
+    return _scaling_rule(eqn, args) or _elementwise(eqn, list(map(_evaluated, args)), run.form)
 
 
 _RULES = {  # primitive name -> rule(eqn, block values, run) -> outputs, or None: vmap the equation
@@ -1010,26 +1344,25 @@ def _squared(feature):
     return lambda i: jax.lax.integer_pow(feature(i), 2)
 
 
-def _feature_sum(size, feature, dense, plan):
-    """The sum over features of a value of both points, as the plan says: of ``feature(i)``, i < size, in a loop,
+def _feature_sum(size, feature, dense, form):
+    """The sum over features of a value of both points, as the form says: of ``feature(i)``, i < size, in a loop,
     or of ``dense()``, its [b, n, D] values, at once."""
-    return _looped_sum(size, feature) if plan.feature_sum is FeatureSum.LOOP else jnp.sum(dense(), 2)
+    return _looped_sum(size, feature, form) if form.feature_sum is FeatureSum.LOOP else jnp.sum(dense(), 2)
 
 
 def _sum_of_squares(eqn, run, size, square_of, feature, dense):
     """The sum of ``feature(i)``, i < size (``dense()``: all of them), the output of ``eqn``. Where it is
-    |steps(x - y)|^2 (``square_of``, the two _Scaled points), by the plan's ``squared_distances``, each falling
+    |steps(x - y)|^2 (``square_of``, the two _Scaled points), by the form's ``squared_distances``, each falling
     back to the next and the last to the direct sum: the GEMM (_squared_distance), and the float64 GEMM
     (_wide_squared_distance) where the kernel's value is a function of this sum alone. Else _feature_sum."""
-    direct = functools.partial(_feature_sum, size, feature, dense, run.plan)
+    direct = functools.partial(_feature_sum, size, feature, dense, run.form)
     if square_of is None:
         return direct()
-    run.squared_distance, fallback = True, direct
-    for form in reversed(run.plan.squared_distances):
-        if form is Distance.GEMM:
-            fallback = functools.partial(_squared_distance, *square_of, fallback)
-        elif form is Distance.FUSED:  # the product's form (layer 7), which needs the points and the tail
-            run.fusable = square_of, eqn
+    run.distances.append((square_of, eqn))
+    fallback = direct
+    for distance in reversed(run.form.squared_distances):
+        if distance is Distance.GEMM:
+            fallback = functools.partial(_squared_distance, *square_of, fallback, run.form.gemm_precision)
         elif not run.given:  # Distance.FLOAT64_GEMM; not while its own tail is probed
             tail = run.tail(eqn)
             tail = None if tail is None else _in_float64(tail)
@@ -1128,23 +1461,17 @@ def _run_widened(jaxpr, consts, args):
         value = jax.lax.stop_gradient(jnp.asarray(value))  # a probe: no derivative reaches the kernel through it
         return value.astype(jnp.float64) if value.dtype == jnp.float32 else value
 
-    def read(var):
-        return widened(var.val) if isinstance(var, jax.extend.core.Literal) else env[var]
-
-    env = dict(zip(jaxpr.constvars, map(widened, consts), strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
-    for eqn in jaxpr.eqns:
+    def equation(eqn, read):
         args = [read(var) for var in eqn.invars]
         if eqn.primitive.name in _CALLS:
             inner = _called(eqn)
-            outs = _run_widened(inner.jaxpr, inner.consts, args)
-        else:
-            params = dict(eqn.params)
-            if eqn.primitive.name == "convert_element_type" and params["new_dtype"] == jnp.float32:
-                params["new_dtype"] = jnp.dtype(jnp.float64)
-            outs = _bind(eqn, args, params)
-        env.update(zip(eqn.outvars, outs, strict=True))
-    return [read(var) for var in jaxpr.outvars]
+            return _run_widened(inner.jaxpr, inner.consts, args)
+        params = dict(eqn.params)
+        if eqn.primitive.name == "convert_element_type" and params["new_dtype"] == jnp.float32:
+            params["new_dtype"] = jnp.dtype(jnp.float64)
+        return _bind(eqn, args, params)
+
+    return _evaluate(jaxpr, list(map(widened, consts)), args, equation, lambda var: widened(var.val))
 
 
 def _float64():
@@ -1152,7 +1479,7 @@ def _float64():
     return contextlib.nullcontext() if jax.config.jax_enable_x64 else jax.enable_x64(True)
 
 
-def _squared_distance(first, second, fallback):
+def _squared_distance(first, second, fallback, precision):
     """|steps(x - y)|^2 for every pair of a block, by the GEMM ``|a|^2 + |b|^2 - 2 a.b`` on centred, scaled
     points wherever its error bound is within 4x the direct sum's; ``fallback()`` otherwise (the float64 GEMM, or
     the direct sum).
@@ -1167,7 +1494,7 @@ def _squared_distance(first, second, fallback):
     centre = (jnp.sum(x, 0) + jnp.sum(y, 0)) / (x.shape[0] + y.shape[0])
     a, b = rows.scaling(rows.point - centre)[:, 0], cols.scaling(cols.point - centre)[0]
     norms = jnp.sum(a * a, 1)[:, None] + jnp.sum(b * b, 1)[None, :]
-    squared = norms - 2 * jnp.matmul(a, b.T, precision=jax.lax.Precision.HIGHEST)
+    squared = norms - 2 * jnp.matmul(a, b.T, precision=precision)
     unvouched = ~(squared >= norms / 2)  # NaN included
 
     def repaired():
@@ -1183,7 +1510,7 @@ def _squared_distance(first, second, fallback):
     return jax.lax.cond(jnp.any(jnp.sum(unvouched, 1) > 2), jax.checkpoint(fallback), repaired)
 
 
-def _looped_sum(size, feature):
+def _looped_sum(size, feature, form):
     """The sum of ``feature(i)``, i < size, in a loop whose body is rematerialised, so that reverse mode
     recomputes each feature from the points, and stores none.
 
@@ -1193,21 +1520,21 @@ def _looped_sum(size, feature):
     eps, and a large d^2 (every pair far apart) carries its relative error into K's. Compensating the chunks'
     sum (Kahan's) doubled the loop's time. The derivative (a sum in any order) is taken one feature a time:
     chunks in reverse mode took twice as long."""
-    if size <= SUM_CHUNK:
+    if size <= form.sum_chunk:
         return _one_at_a_time(size, feature)
-    if _JAX_VERSION < (0, 10):  # JAX 0.4.30's scan transpose rejected the derivative's loop (0.5 to 0.9 untried)
-        return _chunks(size, feature)
+    if not form.chunked_derivative:
+        return _chunks(size, form.sum_chunk, feature)
     indexed, consts = jax.closure_convert(feature, 0)  # custom_jvp differentiates explicit inputs only
-    return _chunked_sum(size, indexed, *consts)
+    return _chunked_sum(size, form.sum_chunk, indexed, *consts)
 
 
 def _one_at_a_time(size, feature):
     return jax.lax.fori_loop(1, size, jax.checkpoint(lambda i, total: total + feature(i)), feature(0))
 
 
-def _chunks(size, feature):
-    """``_looped_sum`` past SUM_CHUNK features."""
-    width = max(SUM_CHUNK, -(-size // 16))  # at most 16 chunks: 32 (8 features at D = 256) missed the far-apart test
+def _chunks(size, sum_chunk, feature):
+    """``_looped_sum`` past ``sum_chunk`` features."""
+    width = max(sum_chunk, -(-size // 16))  # at most 16 chunks: 32 (8 features at D = 256) missed the far-apart test
     chunks, rest = divmod(size, width)
 
     def chunk(first, count=width):
@@ -1218,18 +1545,18 @@ def _chunks(size, feature):
     return total + chunk(chunks * width, rest) if rest else total
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _chunked_sum(size, indexed, *consts):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
+def _chunked_sum(size, sum_chunk, indexed, *consts):
     """``_chunks`` of ``indexed(i, *consts)``, its derivative one feature a time."""
-    return _chunks(size, lambda i: indexed(i, *consts))
+    return _chunks(size, sum_chunk, lambda i: indexed(i, *consts))
 
 
 @_chunked_sum.defjvp
-def _chunked_sum_jvp(size, indexed, primals, tangents):
+def _chunked_sum_jvp(size, sum_chunk, indexed, primals, tangents):
     def tangent(i):
         return jax.jvp(lambda *consts: indexed(i, *consts), primals, tangents)[1]
 
-    return _chunked_sum(size, indexed, *primals), _one_at_a_time(size, tangent)
+    return _chunked_sum(size, sum_chunk, indexed, *primals), _one_at_a_time(size, tangent)
 
 
 def _pairwise(terms):
@@ -1285,11 +1612,11 @@ class _Scaled:
     form's, which XLA fuses pair by pair.
     """
 
-    def __init__(self, point, plan, steps=()):
-        self.point, self.plan, self.steps = point, plan, steps
+    def __init__(self, point, form, steps=()):
+        self.point, self.form, self.steps = point, form, steps
 
     def then(self, eqn, other, position):
-        return _Scaled(self.point, self.plan, (*self.steps, (eqn, other, position)))
+        return _Scaled(self.point, self.form, (*self.steps, (eqn, other, position)))
 
     def scaling(self, value, cast=None):
         """The steps, applied to a block value as the kernel's program applies them; ``cast`` converts the values
@@ -1297,7 +1624,7 @@ class _Scaled:
         for eqn, other, position in self.steps:
             if other is not None and cast is not None:
                 other = cast(other)
-            (value,) = _elementwise(eqn, [value] if other is None else [other, value][:: 2 * position - 1], self.plan)
+            (value,) = _elementwise(eqn, [value] if other is None else [other, value][:: 2 * position - 1], self.form)
         return value
 
 
@@ -1305,9 +1632,9 @@ def _evaluated(a):
     return a.scaling(a.point) if isinstance(a, _Scaled) else a
 
 
-def _scaled_inputs(first, second, plan):
+def _scaled_inputs(first, second, form):
     """The kernel's two arguments, as _Scaled where they are real floating points."""
-    return [_Scaled(p, plan) if jnp.issubdtype(p.dtype, jnp.floating) else p for p in (first, second)]
+    return [_Scaled(p, form) if jnp.issubdtype(p.dtype, jnp.floating) else p for p in (first, second)]
 
 
 def _scaling_rule(eqn, args):
@@ -1326,7 +1653,7 @@ def _scaling_rule(eqn, args):
     if name == "sub" and len(lazy) == 2:
         a, b = args
         if a.point is not b.point and _same_steps(a.steps, b.steps):
-            (difference,) = _elementwise(eqn, [a.point, b.point], a.plan)
+            (difference,) = _elementwise(eqn, [a.point, b.point], a.form)
             scaled = a.scaling(difference)
             if isinstance(scaled, _ByFeature):
                 scaled = _ByFeature(scaled.size, scaled.feature, scaled.dense, (a, b))
@@ -1422,21 +1749,11 @@ def _same_value(c, d):
     return c.dtype == d.dtype and c.shape == d.shape and np.array_equal(c, d)
 
 
-def block_evaluation(kernel: PairKernel, dim: int, dtype=jnp.float32) -> str:
-    """How ``kernel_block`` computes blocks of ``kernel`` on ``dim`` features here, in a word: the block of
-    ``block_plan`` as ``"pair program"`` (followed by the equations it vmaps on values of both points, if any),
-    ``"cross_covariance"`` or ``"vmap"``.
-    """
-    plan = block_plan(kernel, dim, dtype)
-    if plan.block not in _PAIR_PROGRAMS:
-        return "cross_covariance" if plan.block is Block.CROSS_COVARIANCE else "vmap"
-    vmapped = sorted(_probe_run(kernel, dim, dtype, plan).vmapped)
-    return "pair program" + (f" (by vmap: {', '.join(vmapped)})" if vmapped else "")
+_LAYERS.append(_pair_program_plan)
+# --- end optional layer: pair program ---
 
 
-# --------------------------------------------------------------------------
-# 6. Layer: the block size from XLA's measured peak
-# --------------------------------------------------------------------------
+# --- begin optional layer: measured blocks ---
 #
 # One block of K is not the peak: XLA keeps the temporaries the kernel's
 # computation needs (a checkpointed gradient holds several blocks), beside
@@ -1445,17 +1762,72 @@ def block_evaluation(kernel: PairKernel, dim: int, dtype=jnp.float32) -> str:
 # inputs. A gradient is a program of its own, known only when JAX
 # differentiates the product: the product is a ``jax.custom_jvp`` whose rule
 # sees which tangents are symbolic zeros, measures that gradient, and runs at
-# its block (``_measured_product``). The block is the plan's fastest if its
-# peak fits ``max_memory_mb`` plus twice the data; else it shrinks (_fit).
-# Peaks are cached by the program and its plan (_peak_key).
+# its block (``_measured_product``). The block is the fastest if its peak fits
+# ``max_memory_mb`` plus twice the data; else it shrinks (_fit). Peaks are
+# cached by the program and its plan (_peak_key).
+
+MEASURED_BLOCKS = True  # False: blocks of batch_size_row, the seed's arithmetic
+CPU_BLOCK_BYTES = 4 * 2**20  # cache-sized blocks were the fastest on CPU
+CPU_MIN_BLOCK = 64  # blocks of 16 rows or columns were slower
+ACCELERATOR_BLOCK_BYTES = 64 * 2**20  # off the CPU, smaller blocks were slower at D = 3, larger no faster
+# Probes compile at XLA:CPU's lowest code-generation optimisation, with its older fusion emitters where this XLA
+# has both: the same buffers (the tests compare measurements with the programs users compile), sooner.
+_PROBE_OPTIONS = {"cpu": {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}}
 
 
-class Measurement(NamedTuple):
-    """The block for one program (a product, or one gradient of it) and XLA's temporaries there."""
+@dataclasses.dataclass(frozen=True)
+class MeasuredBlocks:
+    """Blocks sized by XLA's measured peak of the program that runs: at most the fastest, within the budget."""
 
-    rows: int  # rows of K per block
-    peak_mb: float  # XLA's temporaries at that block, in MiB
-    limit_mb: float  # max_memory_mb + twice the data (x1, x2, kernel arrays, operand, result); nan if given
+    name = "measured blocks"
+    block_bytes: int  # the fastest block of a product
+    gradient_block_bytes: int  # the fastest block of its gradient
+    min_block_rows: int  # blocks smaller than this are slower
+    probe_options: tuple[tuple[str, object], ...]  # XLA's options for a block's measurement
+
+    def product(self, op, rhs, dtype):
+        """``op @ rhs`` at the block measured for the program that runs: the product, or the gradient taken."""
+        return _measured_product(op, rhs, dtype)
+
+    def measure(self, op, width, wrt=(), cached_only=False):
+        """``LazyKernel.measure``'s answer; with ``cached_only``, nothing compiled: the product's if known, else
+        None."""
+        differentiated = _differentiated(op, wrt) if wrt else None
+        if wrt and not op.checkpoint:  # no block bounds what reverse mode stores: measured at the product's
+            product = _measured_block(op, width, op.dtype, given=op.batch_size)
+            stored = _measured_block(op, width, op.dtype, given=product.rows, differentiated=differentiated)
+            return stored._replace(limit_mb=product.limit_mb)
+        return _measured_block(op, width, op.dtype, op.batch_size, cached_only, differentiated)
+
+
+def _measured_blocks_plan(plan, kernel, dim, dtype):
+    """The plan's blocks sized by measurement, the fastest as its block form asks (else this layer's default)."""
+    if not MEASURED_BLOCKS:
+        return plan.noted("blocks of batch_size_row: MEASURED_BLOCKS is off")
+    on_cpu = plan.backend == "cpu"
+    default = CPU_BLOCK_BYTES if on_cpu else ACCELERATOR_BLOCK_BYTES
+    product, gradient = plan.block.fastest_bytes or (None, None)
+    options = tuple(_probe_options(plan.backend).items())
+    sizing = MeasuredBlocks(product or default, gradient or default, CPU_MIN_BLOCK if on_cpu else 1, options)
+    return dataclasses.replace(plan, sizing=sizing)
+
+
+@functools.cache
+def _probe_options(backend):
+    """The _PROBE_OPTIONS for ``backend`` that this XLA knows (one older than jaxlib 0.5.3 has no
+    ``xla_cpu_use_fusion_emitters``)."""
+    options = _PROBE_OPTIONS.get(backend, {})
+    return {name: value for name, value in options.items() if _known_to_xla(backend, name, value)}
+
+
+def _known_to_xla(backend, name, value):
+    """Whether XLA compiles for ``backend`` with the option ``name`` set to ``value``."""
+    try:
+        with jax.default_device(jax.local_devices(backend=backend)[0]):
+            jax.jit(lambda x: x).lower(0.0).compile({name: value})
+    except Exception:  # XlaRuntimeError, by another name in each JAX: "No such compile option"
+        return False
+    return True
 
 
 _PEAKS = {}  # (what decides the peak, rows) -> XLA's temporaries in bytes; see _peak_key
@@ -1471,13 +1843,13 @@ def _measured_product(op, rhs, dtype):
     """
     width = rhs.shape[1]
     if not (op.checkpoint and jnp.issubdtype(dtype, jnp.inexact)):  # no gradient within the budget
-        return op._product(rhs, dtype, _measured_block(op, width, dtype).rows)
+        return _product(op, rhs, dtype, _measured_block(op, width, dtype).rows)
     leaves, treedef = jax.tree_util.tree_flatten((op, rhs))
     closed_over = _closed_over(op)
 
     def at(block, inputs):
         rebuilt, operand = treedef.unflatten(inputs[: len(leaves)])
-        product = functools.partial(rebuilt._product, operand, dtype, block)
+        product = functools.partial(_product, rebuilt, operand, dtype, block)
         if not closed_over:
             return product()
         return _eval_replacing(jax.make_jaxpr(product)(), closed_over, inputs[len(leaves) :])
@@ -1498,7 +1870,7 @@ def _measured_product(op, rhs, dtype):
     except NotImplementedError:  # JAX 0.4's shard_map(check_rep=True) takes no symbolic zeros: the gradient is unknown
         wrts = (("x1", "operand"), ("x2", "operand"), ("kernel", "x1", "x2", "operand"))
         block = min(_measured_block(op, width, dtype, differentiated=_differentiated(op, w)).rows for w in wrts)
-        return op._product(rhs, dtype, block)
+        return _product(op, rhs, dtype, block)
 
 
 def _eval_replacing(closed, tracers, values, *args):
@@ -1582,9 +1954,9 @@ def _fastest_rows(op, gradient):
     with the loss around it, which the measured program lacks; such a gradient's peak reached 1.33x the
     measured one.
     """
-    plan = op._plan()
-    fastest = plan.gradient_block_bytes if gradient else plan.block_bytes
-    rows = min(max(plan.min_block_rows, fastest // (op.dtype.itemsize * max(op.shape[1], 1))), op.batch_size_row)
+    sizing = op.plan.sizing
+    fastest = sizing.gradient_block_bytes if gradient else sizing.block_bytes
+    rows = min(max(sizing.min_block_rows, fastest // (op.dtype.itemsize * max(op.shape[1], 1))), op.batch_size_row)
     return max(1, min(rows, -(-op.shape[0] // 2) if gradient else op.shape[0]))
 
 
@@ -1644,7 +2016,7 @@ def _compiled_peak(op, width, dtype, rows, differentiated):
         kernel = treedef.unflatten([next(arrays) if _is_array(a) else a for a in leaves])
         settings = dict(batch_size=rows, checkpoint=op.checkpoint)
         measured = LazyKernel(kernel, x2, x1, **settings).T if op.transposed else LazyKernel(kernel, x1, x2, **settings)
-        return measured @ rhs
+        return _product(measured, rhs, dtype, rows)
 
     closed = jax.make_jaxpr(product)(inputs["kernel"], *inputs["x1"], *inputs["x2"], *inputs["rhs"])
     closed_over = _closed_over(op)
@@ -1665,7 +2037,7 @@ def _compiled_peak(op, width, dtype, rows, differentiated):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the warning that a product without checkpoint is differentiated
             lowered = jax.jit(program).lower(*specs)
-        compiled = lowered.compile(dict(op._plan().probe_options))
+        compiled = lowered.compile(dict(op.plan.sizing.probe_options))
     except Exception as error:  # JaxRuntimeError, XlaRuntimeError in older JAX
         if "RESOURCE_EXHAUSTED" not in str(error):
             raise
@@ -1707,12 +2079,16 @@ def _peak_key(op, width, dtype):
     if kernel is None:
         kernel = str(_kernel_program(op))
     shapes = (_spec(op.x1), _spec(op.x2), width, jnp.dtype(dtype))
-    return (kernel, shapes, op.transposed, op.checkpoint, op._plan(), SUM_CHUNK)
+    return (kernel, shapes, op.transposed, op.checkpoint, op.plan)
 
 
-# --------------------------------------------------------------------------
-# 7. Layer: exact squared distances on a TPU's matrix unit, fused with the product
-# --------------------------------------------------------------------------
+_LAYERS.append(_measured_blocks_plan)
+# --- end optional layer: measured blocks ---
+
+
+# --- begin optional layer: fused TPU product ---
+#
+# Needs the pair program (its form and its reading of a kernel's program: _fusion).
 #
 # Where a kernel is a function of d^2 = |s (x - y)|^2 with one scalar step s (a lengthscale), a TPU's matrix
 # unit computes |x - y|^2 exactly for points on a grid. Each coordinate x_d becomes m_d + r h: m the middle of the
@@ -1728,11 +2104,11 @@ def _peak_key(op, width, dtype):
 # is exact: one product per level, the level's digit pairs packed side by side (bf16 folds the norms in as six
 # more columns where that costs no extra pass of the 128-deep unit; more than 250 digit columns go in chunks
 # whose exact sums are added). Carries then bring T_1 .. T_(2c-2) into [0, 256), so |x - y|^2 on the grid is a
-# sum of non-negative terms: nothing is left to cancel. One Pallas kernel per block keeps each tile of FUSED_TILE
+# sum of non-negative terms: nothing is left to cancel. One Pallas kernel per block keeps each tile of FUSED_TILES
 # pairs in VMEM: the levels, d^2 (times s^2), the kernel's tail (its program as a function of d^2) and the tile's
 # product with the operand, added into the block's result.
 #
-# The rule (_fused_numbers), per product and c: the grid moves a difference by at most rho = sqrt(D) |s| h (times
+# The rule (_verdicts), per product and c: the grid moves a difference by at most rho = sqrt(D) |s| h (times
 # 1 + 2^-20 for float64's roundings), so d^2 by 2 d rho + rho^2, and the levels' sum, s^2 and |s| h round d^2 by
 # (G + 2 n + 3) u (u = eps / 2, G = 2 c - 1 levels, n steps in s), where the direct sum's bound is (D + n + 1) u
 # d^2. K moves by |tail'| times that, and lambda bounds |tail' / tail| (taken in float64 at d^2 from 0 to 64).
@@ -1740,6 +2116,7 @@ def _peak_key(op, width, dtype):
 # lambda rho^2 (1 + 1 / kappa) <= 16 eps, with kappa = (4 (D + n + 1) - (G + 2 n + 3)) u. A product takes the
 # fewest digits vouched for (RBF: 3 where |s| R <= 4, 4 where |s| R <= 1024). Elsewhere today's form runs, as it
 # does where the columns' digits would take more than half of max_memory_mb.
+# Which kernels, D and chips the form takes is the plan's (_fused_refuses); which digits, the data's.
 #
 # Derivatives: the product is a primitive of its own (_fused_primitives). Forward mode, and anything of second
 # order, is today's form's. Reverse mode of K @ v (one operand column) runs a second Pallas kernel per block
@@ -1750,14 +2127,245 @@ def _peak_key(op, width, dtype):
 # differences' squares (_fused_cotangents). It runs where the rule vouches with lambda bounding |tail'' / tail'|
 # too, up to D = FUSED_BACKWARD_FEATURES_MAX; elsewhere, and for wider operands, today's form's vjp.
 
+FUSED_PRODUCT = True  # False: no block's product is fused on a TPU
+FUSED_FEATURES_MIN = 16  # on a TPU, the fused product from here: at D = 3 the unfused form took 0.24x its time
+FUSED_WIDTH_MAX = 64  # operand columns the fused product takes; a wider operand gets the unfused form
+FUSED_BACKWARD_FEATURES_MAX = 64  # the fused backward to here; above, the unfused vjp (the backward's work grows
+# with D; Mosaic had not compiled it at D = 256 after 200 s)
+FUSED_INT8_FEATURES_MIN = 128  # fused digits in int8 from here (half bf16's matrix-unit time, more vector work)
 DIGIT_COUNTS = (3, 4)  # signed 8-bit digits per coordinate: the fewest the rule vouches for
-FUSED_TILE = (512, 1024)  # rows and columns of K per step of the Pallas kernel (rows: a multiple of 32)
-FUSED_VMEM_BYTES = 100 * 2**20  # the kernel's VMEM (of a v5e core's 128 MiB); Mosaic's default 16 MiB is too small
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedTiles:
+    """The Pallas kernels' block sizes and scoped VMEM, as JAX's TPU kernels keep theirs (flash attention's
+    ``BlockSizes``)."""
+
+    rows: int = 512  # rows of K per step of the kernels (a multiple of 32)
+    cols: int = 1024  # columns of K per step
+    vmem_limit_bytes: int = 100 * 2**20  # Mosaic's default 16 MiB is too small; tested on a v5e (128 MiB a core)
+
+
+FUSED_TILES = FusedTiles()
+_VMEM_BYTES = {"TPU v5 lite": 128 * 2**20, "TPU v6 lite": 128 * 2**20}  # a core's, where get_tpu_info is missing
 _BF16_FOLDED = 250  # digit columns per exact bf16 product with the 6 norm columns folded in: 2^16 each, < 2^24
 _BF16_PLAIN = 256  # digit columns per exact bf16 product without them
 _NORM_COLUMNS = 6
 _SENSITIVITY_AT = (0.0, 2.0**-40, 2.0**-20, 2.0**-10, 2.0**-4, 0.25, 1.0, 4.0, 16.0, 64.0)  # d^2 where lambda is taken
 _TILE_RESHAPES = frozenset({"reshape", "broadcast_in_dim", "squeeze", "expand_dims"})  # of one value: the tile itself
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedProduct:
+    """A block's product (and reverse mode of ``K @ v``) by the Pallas kernels, where the rule vouches for the
+    data; elsewhere the plan's block, contracted."""
+
+    name = "fused"
+    tiles: FusedTiles
+    packings: tuple  # (digits, "bf16" or "int8", its _Chunks) for each digit count, fewest first
+    backward: bool  # reverse mode of K @ v by the fused backward (D <= FUSED_BACKWARD_FEATURES_MAX)
+    width_max: int  # operand columns it takes
+    interpret: bool  # the Pallas kernels interpreted: planned for BACKEND, not this machine (the tests)
+
+    def packing(self, digits):
+        """The variant and chunks of ``digits`` digits."""
+        return next((variant, chunks) for count, variant, chunks in self.packings if count == digits)
+
+    def rows_times(self, op, x1, x2, rhs, rows_times):
+        """The engine's ``rows_times`` by the fused form where this layer's rule vouches for the points, else by
+        ``rows_times`` (whose derivatives both use); ``rows_times`` itself where the fused form does not take the
+        product: an operand wider than ``width_max``, or the columns' digits over half of ``max_memory_mb``."""
+        kernel, transposed, plan = op.kernel, op.transposed, op.plan
+        n, width, dim = x2.shape[0], rhs.shape[1], x1.shape[1]
+        digit_bytes = sum((c[-1].offset + c[-1].padded) * n * (2 if v == "bf16" else 1) for _, v, c in self.packings)
+        fused_backward = width == 1 and self.backward
+        digit_bytes += 4 * dim * n * len(self.packings) * fused_backward  # the columns' grid moves
+        budget = op.max_memory_mb * 2**20
+        if (
+            rhs.dtype != jnp.float32
+            or not (0 < width <= self.width_max and n and x1.shape[0])
+            or digit_bytes > budget / 2
+        ):
+            return rows_times
+        example = (x2[0], x1[0]) if transposed else (x1[0], x2[0])
+        pair, consts = jax.closure_convert(lambda x, y: kernel(x, y), *example)
+        probe = [jnp.broadcast_to(x[:1], (size, x.shape[1])) for x, size in ((x1, 2), (x2, 3))]  # of both points
+        fusion = _fusion(lambda x, y: pair(x, y, *consts), *probe, transposed, plan.block)
+        if isinstance(fusion, str):
+            return rows_times
+        grid = _grid(x1, x2)
+        verdicts = _verdicts(grid, fusion, dim, self)
+        tile_cols, columns = _tile(n, self.tiles.cols, 128)
+        points = jax.lax.stop_gradient(_padded(x2, columns))
+        packed = []
+        for (digits, variant, chunks), verdict in zip(self.packings, verdicts, strict=True):
+            cols, col_norms = _packed(_digits(points, verdict.grid, digits), chunks, variant, False)
+            packed.append((cols, col_norms.T))
+        kernels = tuple(
+            functools.partial(_fused_product, tail=fusion.tile_tail, form=self, digits=d) for d, _, _ in self.packings
+        )
+        fallback = lambda rows, cols, rhs, *consts: _contract(  # noqa: E731
+            plan.block.make(lambda x, y: pair(x, y, *consts), rows, cols, transposed), rhs, plan, width
+        )
+
+        def scalars(*consts):  # s^2 and the tail's constants, as functions of the kernel's (on points of no trace)
+            zeros = [jnp.zeros(p.shape, p.dtype) for p in probe]
+            zero_fusion = _fusion(lambda x, y: pair(x, y, *consts), *zeros, transposed, plan.block)
+            return zero_fusion.step * zero_fusion.step, zero_fusion.tile_consts
+
+        backward, backward_vouched, moves = None, (), ()
+        if fused_backward:
+            back = [
+                functools.partial(_fused_backward, tail=fusion.tile_tail, form=self, digits=d)
+                for d, _, _ in self.packings
+            ]
+            backward = _FusedBackward(tuple(back), scalars, fallback, tuple(d for d, _, _ in self.packings))
+            backward_vouched = tuple(v.vouched for v in _verdicts(grid, fusion, dim, self, derivative=True))
+            moves = tuple(_grid_moves(points, v.grid, d) for (d, _, _), v in zip(self.packings, verdicts, strict=True))
+        given = _FusedOperands(tuple(packed), _fused_operand(rhs, columns), verdicts, points, backward_vouched, moves)
+        return lambda rows: _fused_or_fallback((kernels, backward), fallback, given, rows, x2, rhs, *consts)
+
+
+def _fused_plan(plan, kernel, dim, dtype):
+    """The plan's product fused where this layer takes the kernel, D and chip; else the plan as it was, and why."""
+    reason = _fused_refuses(plan, kernel, dim, dtype)
+    if reason:
+        return plan.noted(f"not fused: {reason}")
+    packings = tuple((digits, *_fused_chunks(dim, digits)) for digits in DIGIT_COUNTS)
+    backward = dim <= FUSED_BACKWARD_FEATURES_MAX
+    product = FusedProduct(FUSED_TILES, packings, backward, FUSED_WIDTH_MAX, interpret=BACKEND is not None)
+    return dataclasses.replace(plan, product=product)
+
+
+def _fused_refuses(plan, kernel, dim, dtype):
+    """Why the fused form does not take this kernel's products, or None: it takes float32 points on a TPU with
+    room for its kernels, from FUSED_FEATURES_MIN features, blocks the pair program makes, and a kernel of
+    |s (x - y)|^2 with one scalar step s and a tail the Pallas kernel runs."""
+    if not FUSED_PRODUCT:
+        return "FUSED_PRODUCT is off"
+    if plan.backend != "tpu":
+        return f"planned for {plan.backend}, not a TPU"
+    if dtype != jnp.float32 or dim < FUSED_FEATURES_MIN:
+        return f"{dtype} points" if dtype != jnp.float32 else f"D = {dim} < {FUSED_FEATURES_MIN}"
+    if not isinstance(plan.block, PairProgramForm):
+        return "blocks not by the pair program"
+    if _pallas() is None or not _float64_in_traces():
+        return f"JAX {jax.__version__} has no Pallas TPU or no float64 in traces (JAX 0.8 on)"
+    if BACKEND is None and (vmem := _vmem_bytes()) < FUSED_TILES.vmem_limit_bytes * 32 // 25:
+        return f"the chip's VMEM ({vmem / 2**20:.3g} MiB a core, None: unknown) under what the kernels ask for"
+    found = []
+    jax.eval_shape(lambda xa, xb: found.append(_fusion(kernel, xa, xb, False, plan.block)), *_probe_blocks(dim, dtype))
+    return found[0] if isinstance(found[0], str) else None
+
+
+def _vmem_bytes():
+    """A TPU core's VMEM in bytes (JAX's get_tpu_info, from 0.8.1; else by the chip's name), or 0 where unknown."""
+    tpu = _pallas()[1]
+    try:
+        return tpu.get_tpu_info().vmem_capacity_bytes
+    except (AttributeError, ValueError, RuntimeError):  # no get_tpu_info in this JAX, or a chip it does not know
+        return _VMEM_BYTES.get(jax.devices("tpu")[0].device_kind, 0)
+
+
+@functools.cache
+def _pallas():
+    """``(pallas, pallas.tpu)``, or None where this JAX lacks them (JAX 0.4.30 has no ``CompilerParams``)."""
+    try:
+        from jax.experimental import pallas
+        from jax.experimental.pallas import tpu
+    except ImportError:
+        return None
+    return (pallas, tpu) if hasattr(tpu, "CompilerParams") and hasattr(tpu, "SMEM") else None
+
+
+class _Fusion(NamedTuple):
+    """What the fused form reads of a kernel's program on a block: d^2 = |s (x - y)|^2 and K = tail(d^2)."""
+
+    step: jax.Array  # s, traced
+    steps: int  # the scaling steps that make s (each rounds)
+    tail: object  # the tail, a ClosedJaxpr of d^2
+    tile_tail: object  # the tail as the Pallas kernel runs it: a Jaxpr of d^2 alone (_hoisted)
+    tile_consts: list  # the constants tile_tail reads, float32 scalars
+
+
+def _fusion(kernel, xa, xb, transposed, form):
+    """The kernel's d^2 and tail, read from its program run on a block as the pair program ``form`` runs it; or,
+    where the fused form cannot run it, why."""
+    probe = dataclasses.replace(form, written_out=0, squared_distances=())  # every d^2 seen
+    run = _pair_program_run(kernel, xa, xb, transposed, probe)
+    if not run.distances:
+        return "no sum of squared scaled differences |s (x - y)|^2"
+    (point, _), eqn = run.distances[-1]
+    tail = run.tail(eqn)
+    if tail is None:
+        return "the kernel depends on the points otherwise than through d^2"
+    if any(other is not None and jnp.size(other) != 1 for _, other, _ in point.steps):
+        return "a step per feature (per-feature lengthscales)"
+    step = _dense(point.scaling(jnp.ones((1, 1, 1), point.point.dtype))).reshape(())
+    jaxpr, consts = _hoisted(tail)
+    if not _tile_ready(jaxpr) or any(jnp.size(c) != 1 or jnp.result_type(c) != jnp.float32 for c in consts):
+        return "a tail of d^2 the Pallas kernel does not run"
+    return _Fusion(step, len(point.steps), tail, jaxpr, [jnp.reshape(c, ()) for c in consts])
+
+
+def _on_tile(tail, consts, *inputs):
+    """The kernel's tail (a Jaxpr from d^2 to a [1, 1] value, _tile_ready) on a tile of d^2, its constants
+    scalars: each equation on the whole tile."""
+
+    def equation(eqn, read):
+        args = [jnp.asarray(read(var), var.aval.dtype) for var in eqn.invars]
+        if eqn.primitive.name in _TILE_RESHAPES:
+            return args[:1]
+        if eqn.primitive.name in _CALLS:
+            return [_on_tile(_called(eqn).jaxpr, _called(eqn).consts, *args)]
+        shape = jnp.broadcast_shapes(*(a.shape for a in args))
+        return _bind(eqn, [jnp.broadcast_to(a, shape) for a in args])
+
+    return _evaluate(tail, consts, inputs, equation, lambda var: var.val)[0]
+
+
+def _hoisted(tail):
+    """A ClosedJaxpr of d^2 as (a Jaxpr of d^2 alone and its constants): the equations of constants alone
+    evaluated here, not on every pair, and those the output does not use dropped."""
+    known, kept = dict(zip(tail.jaxpr.constvars, tail.consts, strict=True)), []
+
+    def equation(eqn, read):
+        if all(isinstance(var, jax.extend.core.Literal) or var in known for var in eqn.invars) and not eqn.effects:
+            outs = _bind(eqn, [read(var) for var in eqn.invars])
+            known.update(zip(eqn.outvars, outs, strict=True))
+            return outs
+        kept.append(eqn)
+        return [None] * len(eqn.outvars)
+
+    _evaluate(tail.jaxpr, tail.consts, [None] * len(tail.jaxpr.invars), equation, lambda var: var.val)
+    live = {var for var in tail.jaxpr.outvars if not isinstance(var, jax.extend.core.Literal)}
+    for eqn in reversed(kept):
+        if any(var in live for var in eqn.outvars):
+            live.update(var for var in eqn.invars if not isinstance(var, jax.extend.core.Literal))
+    kept = [eqn for eqn in kept if any(var in live for var in eqn.outvars)]
+    constvars = [var for var in known if var in live]
+    jaxpr = tail.jaxpr.replace(constvars=constvars, eqns=kept)
+    return jaxpr, [known[var] for var in constvars]
+
+
+def _tile_ready(tail):
+    """Whether _on_tile runs ``tail``: one input and output; equations elementwise, reshapes of a value of
+    one element, or calls of such; no effects."""
+
+    def ready(jaxpr):
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            if eqn.effects or len(eqn.outvars) != 1:
+                return False
+            if name in _CALLS and not ready(_called(eqn).jaxpr):
+                return False
+            if name in _TILE_RESHAPES and math.prod(eqn.outvars[0].aval.shape) != 1:
+                return False
+            if name not in _ELEMENTWISE | _TILE_RESHAPES | set(_CALLS):
+                return False
+        return True
+
+    return len(tail.invars) == 1 and len(tail.outvars) == 1 and ready(tail)
 
 
 class _Chunk(NamedTuple):
@@ -1931,73 +2539,57 @@ def _tile_squared_distances(rows, row_norms, cols, col_norms, scales, chunks, va
     return d2
 
 
-def _tail_on_tile(tail, consts, *inputs):
-    """The kernel's tail (a Jaxpr from d^2 to a [1, 1] value, _tile_ready) on a tile of d^2, its constants
-    scalars: each equation on the whole tile."""
-    env = dict(zip(tail.constvars, consts, strict=True))
-    env.update(zip(tail.invars, inputs, strict=True))
-    read = lambda var: var.val if isinstance(var, jax.extend.core.Literal) else env[var]  # noqa: E731
-    for eqn in tail.eqns:
-        args = [jnp.asarray(read(var), var.aval.dtype) for var in eqn.invars]
-        if eqn.primitive.name in _TILE_RESHAPES:
-            outs = args[:1]
-        elif eqn.primitive.name in _CALLS:
-            outs = [_tail_on_tile(_called(eqn).jaxpr, _called(eqn).consts, *args)]
-        else:
-            shape = jnp.broadcast_shapes(*(a.shape for a in args))
-            outs = _bind(eqn, [jnp.broadcast_to(a, shape) for a in args])
-        env.update(zip(eqn.outvars, outs, strict=True))
-    return read(tail.outvars[0])
+def _bf16_pieces(x):
+    """Float32 ``x`` as three bf16-exact float32 pieces that add up to it exactly (by bit masks, which no
+    compiler allowed excess precision can fold away, as it can a round trip through bf16)."""
+    top = lambda v: jax.lax.bitcast_convert_type(  # noqa: E731
+        jax.lax.bitcast_convert_type(v, jnp.uint32) & jnp.uint32(0xFFFF0000), jnp.float32
+    )
+    first = top(x)
+    second = top(x - first)
+    return first, second, x - first - second
 
 
-def _hoisted(tail):
-    """A ClosedJaxpr of d^2 as (a Jaxpr of d^2 alone and its constants): the equations of constants alone
-    evaluated here, not on every pair, and those the output does not use dropped."""
-    known = dict(zip(tail.jaxpr.constvars, tail.consts, strict=True))
-    value = lambda var: var.val if isinstance(var, jax.extend.core.Literal) else known[var]  # noqa: E731
-    kept = []
-    for eqn in tail.jaxpr.eqns:
-        if all(isinstance(var, jax.extend.core.Literal) or var in known for var in eqn.invars) and not eqn.effects:
-            known.update(zip(eqn.outvars, _bind(eqn, [value(var) for var in eqn.invars]), strict=True))
-        else:
-            kept.append(eqn)
-    live = {var for var in tail.jaxpr.outvars if not isinstance(var, jax.extend.core.Literal)}
-    for eqn in reversed(kept):
-        if any(var in live for var in eqn.outvars):
-            live.update(var for var in eqn.invars if not isinstance(var, jax.extend.core.Literal))
-    kept = [eqn for eqn in kept if any(var in live for var in eqn.outvars)]
-    constvars = [var for var in known if var in live]
-    jaxpr = tail.jaxpr.replace(constvars=constvars, eqns=kept)
-    return jaxpr, [known[var] for var in constvars]
+def _padded(points, size):
+    """``points`` with copies of the first appended up to ``size``: real points, whose K is finite."""
+    extra = jnp.broadcast_to(points[:1], (size - points.shape[0], points.shape[1]))
+    return jnp.concatenate([points, extra]) if size > points.shape[0] else points
 
 
-def _tile_ready(tail):
-    """Whether _tail_on_tile runs ``tail``: one input and output; equations elementwise, reshapes of a value of
-    one element, or calls of such; no effects."""
-
-    def ready(jaxpr):
-        for eqn in jaxpr.eqns:
-            name = eqn.primitive.name
-            if eqn.effects or len(eqn.outvars) != 1:
-                return False
-            if name in _CALLS and not ready(_called(eqn).jaxpr):
-                return False
-            if name in _TILE_RESHAPES and math.prod(eqn.outvars[0].aval.shape) != 1:
-                return False
-            if name not in _ELEMENTWISE | _TILE_RESHAPES | set(_CALLS):
-                return False
-        return True
-
-    return len(tail.invars) == 1 and len(tail.outvars) == 1 and ready(tail)
+def _fused_operand(rhs, columns):
+    """The operand [N, k] as the kernel reads it, its rows padded with zeros to ``columns``: for k = 1, a row
+    [1, columns]; else three bf16 blocks [X1 | X2 | X3], [X1 | X2 | 0], [X1 | 0 | 0] of its exact pieces."""
+    rhs = jnp.pad(rhs.astype(jnp.float32), ((0, columns - rhs.shape[0]), (0, 0)))
+    if rhs.shape[1] == 1:
+        return (rhs.T,)
+    first, second, third = _bf16_pieces(rhs)
+    zero = jnp.zeros_like(first)
+    blocks = ([first, second, third], [first, second, zero], [first, zero, zero])
+    return tuple(jnp.concatenate(block, 1).astype(jnp.bfloat16) for block in blocks)
 
 
-def _fused_kernel(tail, chunks, variant, width, *refs):
+class _Scalars(NamedTuple):
+    """Where the kernels read their scalars in the SMEM vector: the levels' weights (s^2 h^2 256^k), the tail's
+    constants, then (the backward's) s^2."""
+
+    levels: int
+    constants: int
+
+    def constant(self, i):
+        return self.levels + i
+
+    @property
+    def s2(self):
+        return self.levels + self.constants + 1
+
+
+def _fused_kernel(tail, chunks, variant, width, scalars, rows, row_norms, cols, col_norms, *operand_and_out):
     """One tile of a block's product: d^2, K by the tail, and K times the operand's tile, added into the
     output's tile (its rows' sums over the columns, on the grid's second axis)."""
-    numbers, rows, row_norms, cols, col_norms, *operand, out = refs
-    levels = chunks[-1].level + 1
-    d2 = _tile_squared_distances(rows, row_norms, cols, col_norms, numbers, chunks, variant)
-    k = _tail_on_tile(tail, [numbers[levels + i] for i in range(len(tail.constvars))], d2).astype(jnp.float32)
+    *operand, out = operand_and_out
+    at = _Scalars(chunks[-1].level + 1, len(tail.constvars))
+    d2 = _tile_squared_distances(rows, row_norms, cols, col_norms, scalars, chunks, variant)
+    k = _on_tile(tail, [scalars[at.constant(i)] for i in range(at.constants)], d2).astype(jnp.float32)
 
     pl = _pallas()[0]
 
@@ -2018,21 +2610,22 @@ def _fused_kernel(tail, chunks, variant, width, *refs):
         )
 
 
-def _fused_backward_kernel(tail, chunks, variant, squares, refs):
+def _fused_backward_kernel(
+    tail, chunks, variant, squares, scalars, rows, row_norms, cols, col_norms, x, yt, ct, v, g1, g2, gv, gs
+):
     """One tile of a block's cotangents, for ``K @ v`` with cotangent ct: d^2 exactly as the product has it, K
     and C tail'(d^2) (C = ct_i v_j) by the tail's own derivative; then per feature, the differences pair by pair
-    (no cancellation): row sums of A (x_i - y_j), column sums of -A (x_i - y_j), A = 2 s^2 C tail';
-    column sums of ct K; and the tile's sums of C dtail/dc for each constant c of the tail, after three for the
-    cotangent of s^2: with ``squares``, of C tail' |x - y|^2 (the differences' squares, as the vmap form has it);
-    else of C tail' d^2, |C tail'| and |C tail'| d^2 on the grid (see _fused_cotangents)."""
-    numbers, rows, row_norms, cols, col_norms, x, yt, ct, v, g1, g2, gv, gs = refs
-    levels, constants = chunks[-1].level + 1, len(tail.constvars)
-    d2 = _tile_squared_distances(rows, row_norms, cols, col_norms, numbers, chunks, variant)
-    consts = [numbers[levels + i] for i in range(constants)]
-    on_tile = lambda z, *c: _tail_on_tile(tail, list(c), z).astype(jnp.float32)  # noqa: E731
+    (no cancellation): row sums of A (x_i - y_j) into g1, column sums of -A (x_i - y_j) into g2, A = 2 s^2 C tail';
+    column sums of ct K into gv; and into gs the tile's sums of C dtail/dc for each constant c of the tail, after
+    three for the cotangent of s^2: with ``squares``, of C tail' |x - y|^2 (the differences' squares, as the vmap
+    form has it); else of C tail' d^2, |C tail'| and |C tail'| d^2 on the grid (see _fused_cotangents)."""
+    at = _Scalars(chunks[-1].level + 1, len(tail.constvars))
+    d2 = _tile_squared_distances(rows, row_norms, cols, col_norms, scalars, chunks, variant)
+    consts = [scalars[at.constant(i)] for i in range(at.constants)]
+    on_tile = lambda z, *c: _on_tile(tail, list(c), z).astype(jnp.float32)  # noqa: E731
     k, pullback = jax.vjp(on_tile, d2, *consts)
     by_d2, *by_consts = pullback(ct[...] * v[...])
-    a = by_d2 * (2 * numbers[levels + constants + 1])  # 2 s^2 C tail'
+    a = by_d2 * (2 * scalars[at.s2])  # 2 s^2 C tail'
 
     pl = _pallas()[0]
 
@@ -2062,169 +2655,124 @@ def _fused_backward_kernel(tail, chunks, variant, squares, refs):
     gs[...] = jnp.concatenate([jnp.broadcast_to(total, (1, 128)) for total in sums], 1)[None, None]
 
 
-def _fused_backward(rows, cols, points, operand, ct, numbers, s2, tail, plan, digits, squares=False):
-    """The cotangents of one block's ``K @ v`` (v one column), by the Pallas kernel on ``digits`` digits: of the
-    rows [b, D] and of the columns' ``points`` [N', D] (padded as the packed columns ``cols`` are), of v, the
-    kernel's three sums for s^2 (``squares`` as _fused_backward_kernel's) and its sums of C dtail/dc
-    (C = ct_i v_j). ``operand`` and ``numbers`` as _fused_product's."""
-    pl, pltpu = _pallas()
-    (cols, col_norms), (variant, chunks) = cols, _fused_chunks(rows.shape[1], digits)
-    _, grid, read = numbers
-    (b, dim), n = rows.shape, cols.shape[1]
-    tile_rows = min(FUSED_TILE[0], -(-b // 32) * 32)
-    tile_cols = min(FUSED_TILE[1], n)
-    padded, tiles = -(-b // tile_rows) * tile_rows, (-(-b // tile_rows), n // tile_cols)
-    x = _padded(rows, padded)
-    packed, row_norms = _packed(_digits(x, grid, digits), chunks, variant, left=True)
-    ct = jnp.pad(ct.astype(jnp.float32), ((0, padded - b), (0, 0)))
-    sums = 3 + len(tail.constvars)
-    by_row = lambda shape: pl.BlockSpec(shape, lambda i, j: (i, 0))  # noqa: E731
-    by_col = lambda shape: pl.BlockSpec(shape, lambda i, j: (0, j))  # noqa: E731
-    with jax.enable_x64(False):
-        g1, g2, gv, gs = pl.pallas_call(
-            lambda *refs: _fused_backward_kernel(tail, chunks, variant, squares, refs),
-            grid=tiles,
-            in_specs=[
-                pl.BlockSpec(memory_space=pltpu.SMEM),
-                by_row((tile_rows, packed.shape[1])),
-                by_row((tile_rows, row_norms.shape[1])),
-                by_col((cols.shape[0], tile_cols)),
-                by_col((col_norms.shape[0], tile_cols)),
-                by_row((tile_rows, dim)),
-                by_col((dim, tile_cols)),
-                by_row((tile_rows, 1)),
-                by_col((1, tile_cols)),
-            ],
-            out_specs=[
-                by_row((tile_rows, dim)),
-                pl.BlockSpec((1, dim, tile_cols), lambda i, j: (i, 0, j)),
-                pl.BlockSpec((1, 1, tile_cols), lambda i, j: (i, 0, j)),
-                pl.BlockSpec((1, 1, 1, 128 * sums), lambda i, j: (i, j, 0, 0)),
-            ],
-            out_shape=[
-                jax.ShapeDtypeStruct((padded, dim), jnp.float32),
-                jax.ShapeDtypeStruct((tiles[0], dim, n), jnp.float32),
-                jax.ShapeDtypeStruct((tiles[0], 1, n), jnp.float32),
-                jax.ShapeDtypeStruct((*tiles, 1, 128 * sums), jnp.float32),
-            ],
-            compiler_params=pltpu.CompilerParams(
-                dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=FUSED_VMEM_BYTES
-            ),
-            interpret=plan.interpret,
-        )(jnp.concatenate([read, jnp.stack([s2])]), packed, row_norms, cols, col_norms, x, points.T, ct, operand[0])
-    totals = jnp.sum(gs.reshape(-1, sums, 128)[:, :, 0], 0)
-    return g1[:b], g2.sum(0).T, gv.sum((0, 1))[:, None], totals[:3], totals[3:]
+def _tile(count, most, align):
+    """A tile of at most ``most`` (rounded up to ``align``) along an axis of ``count``, and the axis padded to
+    whole tiles."""
+    tile = min(most, -(-count // align) * align)
+    return tile, -(-count // tile) * tile
 
 
-def _bf16_pieces(x):
-    """Float32 ``x`` as three bf16-exact float32 pieces that add up to it exactly (by bit masks, which no
-    compiler allowed excess precision can fold away, as it can a round trip through bf16)."""
-    top = lambda v: jax.lax.bitcast_convert_type(  # noqa: E731
-        jax.lax.bitcast_convert_type(v, jnp.uint32) & jnp.uint32(0xFFFF0000), jnp.float32
-    )
-    first = top(x)
-    second = top(x - first)
-    return first, second, x - first - second
-
-
-@functools.cache
-def _pallas():
-    """``(pallas, pallas.tpu)``, or None where this JAX lacks them (JAX 0.4.30 has no ``CompilerParams``)."""
-    try:
-        from jax.experimental import pallas
-        from jax.experimental.pallas import tpu
-    except ImportError:
-        return None
-    return (pallas, tpu) if hasattr(tpu, "CompilerParams") and hasattr(tpu, "SMEM") else None
-
-
-def _fused_product(rows, cols, operand, numbers, tail, plan, digits):
-    """One block's product by the Pallas kernel, on ``digits`` digits: rows [b, D] float32 points, ``cols``
-    their packed columns and norms, ``operand`` its pieces (_fused_operand), ``numbers`` _fused_numbers'."""
-    pl, pltpu = _pallas()
-    (cols, col_norms), (variant, chunks) = cols, _fused_chunks(rows.shape[1], digits)
-    _, grid, read = numbers
-    b, n, width = rows.shape[0], cols.shape[1], operand[0].shape[0] if len(operand) == 1 else operand[0].shape[1] // 3
-    tile_rows = min(FUSED_TILE[0], -(-b // 32) * 32)
-    tile_cols = min(FUSED_TILE[1], n)
-    padded = -(-b // tile_rows) * tile_rows
-    rows, row_norms = _packed(_digits(_padded(rows, padded), grid, digits), chunks, variant, left=True)
-    out_width = 128 if width == 1 else 3 * width
-    by_row = lambda shape: pl.BlockSpec(shape, lambda i, j: (i, 0))  # noqa: E731
-    by_col = lambda shape: pl.BlockSpec(shape, lambda i, j: (0, j))  # noqa: E731
-    operand_specs = (
-        [by_col((1, tile_cols))] if width == 1 else [pl.BlockSpec((tile_cols, 3 * width), lambda i, j: (j, 0))] * 3
-    )
+def _tiled_call(kernel, grid, inputs, out_specs, out_shape, form):
+    """One pallas_call of ``kernel`` over (row tiles, column tiles) for the product and the backward alike:
+    ``inputs`` as (array, BlockSpec) pairs, the column axis accumulated ("arbitrary")."""
+    pl, tpu = _pallas()
     with jax.enable_x64(False):  # Mosaic takes no 64-bit values: the kernel's literals and index maps in 32 bits
-        out = pl.pallas_call(
-            functools.partial(_fused_kernel, tail, chunks, variant, width),
-            grid=(padded // tile_rows, n // tile_cols),
-            in_specs=[
-                pl.BlockSpec(memory_space=pltpu.SMEM),
-                by_row((tile_rows, rows.shape[1])),
-                by_row((tile_rows, row_norms.shape[1])),
-                by_col((cols.shape[0], tile_cols)),
-                by_col((col_norms.shape[0], tile_cols)),
-                *operand_specs,
-            ],
-            out_specs=by_row((tile_rows, out_width)),
-            out_shape=jax.ShapeDtypeStruct((padded, out_width), jnp.float32),
-            compiler_params=pltpu.CompilerParams(
-                dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=FUSED_VMEM_BYTES
+        return pl.pallas_call(
+            kernel,
+            grid=grid,
+            in_specs=[spec for _, spec in inputs],
+            out_specs=out_specs,
+            out_shape=out_shape,
+            compiler_params=tpu.CompilerParams(
+                dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=form.tiles.vmem_limit_bytes
             ),
-            interpret=plan.interpret,
-        )(read, rows, row_norms, cols, col_norms, *operand)[:b]
+            interpret=form.interpret,
+        )(*(array for array, _ in inputs))
+
+
+def _by_row(shape):
+    return _pallas()[0].BlockSpec(shape, lambda i, j: (i, 0))
+
+
+def _by_col(shape):
+    return _pallas()[0].BlockSpec(shape, lambda i, j: (0, j))
+
+
+def _in_smem():
+    return _pallas()[0].BlockSpec(memory_space=_pallas()[1].SMEM)
+
+
+def _fused_product(rows, cols, operand, verdict, tail, form, digits):
+    """One block's product by the Pallas kernel, on ``digits`` digits: rows [b, D] float32 points, ``cols``
+    their packed columns and norms, ``operand`` its pieces (_fused_operand), ``verdict`` _verdicts'."""
+    (cols, col_norms), (variant, chunks) = cols, form.packing(digits)
+    b, n, width = rows.shape[0], cols.shape[1], operand[0].shape[0] if len(operand) == 1 else operand[0].shape[1] // 3
+    tile_rows, padded = _tile(b, form.tiles.rows, 32)
+    tile_cols = min(form.tiles.cols, n)
+    rows, row_norms = _packed(_digits(_padded(rows, padded), verdict.grid, digits), chunks, variant, left=True)
+    out_width = 128 if width == 1 else 3 * width
+    spec = (
+        (lambda: _by_col((1, tile_cols)))
+        if width == 1
+        else (lambda: _pallas()[0].BlockSpec((tile_cols, 3 * width), lambda i, j: (j, 0)))
+    )
+    inputs = [
+        (verdict.scalars, _in_smem()),
+        (rows, _by_row((tile_rows, rows.shape[1]))),
+        (row_norms, _by_row((tile_rows, row_norms.shape[1]))),
+        (cols, _by_col((cols.shape[0], tile_cols))),
+        (col_norms, _by_col((col_norms.shape[0], tile_cols))),
+        *((piece, spec()) for piece in operand),
+    ]
+    out = _tiled_call(
+        functools.partial(_fused_kernel, tail, chunks, variant, width),
+        (padded // tile_rows, n // tile_cols),
+        inputs,
+        _by_row((tile_rows, out_width)),
+        jax.ShapeDtypeStruct((padded, out_width), jnp.float32),
+        form,
+    )[:b]
     if width == 1:
         return jnp.sum(out, 1, keepdims=True)
     return out[:, :width] + out[:, width : 2 * width] + out[:, 2 * width :]
 
 
-def _padded(points, size):
-    """``points`` with copies of the first appended up to ``size``: real points, whose K is finite."""
-    extra = jnp.broadcast_to(points[:1], (size - points.shape[0], points.shape[1]))
-    return jnp.concatenate([points, extra]) if size > points.shape[0] else points
-
-
-def _fused_operand(rhs, columns):
-    """The operand [N, k] as the kernel reads it, its rows padded with zeros to ``columns``: for k = 1, a row
-    [1, columns]; else three bf16 blocks [X1 | X2 | X3], [X1 | X2 | 0], [X1 | 0 | 0] of its exact pieces."""
-    rhs = jnp.pad(rhs.astype(jnp.float32), ((0, columns - rhs.shape[0]), (0, 0)))
-    if rhs.shape[1] == 1:
-        return (rhs.T,)
-    first, second, third = _bf16_pieces(rhs)
-    zero = jnp.zeros_like(first)
-    blocks = ([first, second, third], [first, second, zero], [first, zero, zero])
-    return tuple(jnp.concatenate(block, 1).astype(jnp.bfloat16) for block in blocks)
-
-
-def _fusion(kernel, xa, xb, transposed, plan):
-    """From the kernel's program on a block: its scalar step s (d^2 = |s (x - y)|^2, traced), the number of steps,
-    and its tail as a Jaxpr of d^2 with the constants it uses; None where the fused form cannot run it."""
-    probe = dataclasses.replace(plan, written_out=0, squared_distances=(Distance.FUSED,))  # every d^2 seen
-    run = _pair_program_run(kernel, xa, xb, transposed, probe)
-    if run.fusable is None:
-        return None
-    (point, _), eqn = run.fusable
-    tail = run.tail(eqn)
-    if tail is None or any(other is not None and jnp.size(other) != 1 for _, other, _ in point.steps):
-        return None
-    step = _dense(point.scaling(jnp.ones((1, 1, 1), point.point.dtype))).reshape(())
-    jaxpr, consts = _hoisted(tail)
-    if not _tile_ready(jaxpr) or any(jnp.size(c) != 1 or jnp.result_type(c) != jnp.float32 for c in consts):
-        return None
-    return step, len(point.steps), tail, jaxpr, [jnp.reshape(c, ()) for c in consts]
-
-
-def _fused_takes(kernel, dim, plan):
-    """Whether the fused form takes ``kernel``'s float32 blocks (``block_plan`` asks): the pair program takes it,
-    with a d^2 of one scalar step and a tail the Pallas kernel runs; and this JAX has Pallas and float64 traces."""
-    if _pallas() is None or not _float64_in_traces():
-        return False
-    if not _pair_program_takes(kernel, dim, jnp.float32, plan, False):
-        return False
-    found = []
-    jax.eval_shape(lambda xa, xb: found.append(_fusion(kernel, xa, xb, False, plan)), *_probe_blocks(dim, jnp.float32))
-    return found[0] is not None
+def _fused_backward(rows, cols, points, operand, ct, verdict, s2, tail, form, digits, squares=False):
+    """The cotangents of one block's ``K @ v`` (v one column), by the Pallas kernel on ``digits`` digits: of the
+    rows [b, D] and of the columns' ``points`` [N', D] (padded as the packed columns ``cols`` are), of v, the
+    kernel's three sums for s^2 (``squares`` as _fused_backward_kernel's) and its sums of C dtail/dc
+    (C = ct_i v_j). ``operand`` and ``verdict`` as _fused_product's."""
+    (cols, col_norms), (variant, chunks) = cols, form.packing(digits)
+    (b, dim), n = rows.shape, cols.shape[1]
+    tile_rows, padded = _tile(b, form.tiles.rows, 32)
+    tile_cols = min(form.tiles.cols, n)
+    tiles = (padded // tile_rows, n // tile_cols)
+    x = _padded(rows, padded)
+    packed, row_norms = _packed(_digits(x, verdict.grid, digits), chunks, variant, left=True)
+    ct = jnp.pad(ct.astype(jnp.float32), ((0, padded - b), (0, 0)))
+    sums = 3 + len(tail.constvars)
+    pl = _pallas()[0]
+    inputs = [
+        (jnp.concatenate([verdict.scalars, jnp.stack([s2])]), _in_smem()),
+        (packed, _by_row((tile_rows, packed.shape[1]))),
+        (row_norms, _by_row((tile_rows, row_norms.shape[1]))),
+        (cols, _by_col((cols.shape[0], tile_cols))),
+        (col_norms, _by_col((col_norms.shape[0], tile_cols))),
+        (x, _by_row((tile_rows, dim))),
+        (points.T, _by_col((dim, tile_cols))),
+        (ct, _by_row((tile_rows, 1))),
+        (operand[0], _by_col((1, tile_cols))),
+    ]
+    g1, g2, gv, gs = _tiled_call(
+        functools.partial(_fused_backward_kernel, tail, chunks, variant, squares),
+        tiles,
+        inputs,
+        [
+            _by_row((tile_rows, dim)),
+            pl.BlockSpec((1, dim, tile_cols), lambda i, j: (i, 0, j)),
+            pl.BlockSpec((1, 1, tile_cols), lambda i, j: (i, 0, j)),
+            pl.BlockSpec((1, 1, 1, 128 * sums), lambda i, j: (i, j, 0, 0)),
+        ],
+        [
+            jax.ShapeDtypeStruct((padded, dim), jnp.float32),
+            jax.ShapeDtypeStruct((tiles[0], dim, n), jnp.float32),
+            jax.ShapeDtypeStruct((tiles[0], 1, n), jnp.float32),
+            jax.ShapeDtypeStruct((*tiles, 1, 128 * sums), jnp.float32),
+        ],
+        form,
+    )
+    totals = jnp.sum(gs.reshape(-1, sums, 128)[:, :, 0], 0)
+    return g1[:b], g2.sum(0).T, gv.sum((0, 1))[:, None], totals[:3], totals[3:]
 
 
 def _sensitivity(tail, derivative=False):
@@ -2242,78 +2790,44 @@ def _sensitivity(tail, derivative=False):
         return jax.lax.convert_element_type(worst, jnp.float32)
 
 
-def _fused_numbers(grid, fusion, dim, derivative=False):
-    """For points on ``grid`` (_grid), one triple per digit count c of DIGIT_COUNTS: whether the rule (see this
-    section's head) vouches, for the backward's tail' too with ``derivative``; the grid; and what the kernel reads
-    from SMEM, the levels' weights and the tail's constants."""
-    step, steps, tail, _, consts = fusion
-    eps, sensitivity = float(jnp.finfo(jnp.float32).eps), _sensitivity(tail, derivative)
+class _Verdict(NamedTuple):
+    """The rule's verdict on the points for one digit count: whether it vouches, the grid, and the scalars the
+    kernels read (_Scalars: the levels' weights and the tail's constants)."""
+
+    vouched: jax.Array
+    grid: tuple
+    scalars: jax.Array
+
+
+def _verdicts(grid, fusion, dim, form, derivative=False):
+    """For points on ``grid`` (_grid), a _Verdict for each digit count of ``form``: whether the rule (see this
+    layer's head) vouches, for the backward's tail' too with ``derivative``."""
+    eps, sensitivity = float(jnp.finfo(jnp.float32).eps), _sensitivity(fusion.tail, derivative)
     finite = jnp.isfinite(grid[1]) & jnp.all(jnp.isfinite(grid[0]))
-    numbers = []
-    for digits in DIGIT_COUNTS:
+    verdicts = []
+    for digits, _, _ in form.packings:
         levels = 2 * digits - 1
-        h = jnp.abs(step) * jnp.ldexp(grid[1], 2 - 8 * digits)  # the grid's step, in d's units (rounded once)
+        h = jnp.abs(fusion.step) * jnp.ldexp(grid[1], 2 - 8 * digits)  # the grid's step, in d's units (rounded once)
         rho = math.sqrt(dim) * h * (1 + 2**-20)
-        kappa = (4 * (dim + steps + 1) - (levels + 2 * steps + 3)) * eps / 2
+        kappa = (4 * (dim + fusion.steps + 1) - (levels + 2 * fusion.steps + 3)) * eps / 2
         h2 = h * h
         vouched = (sensitivity * rho * rho * (1 + 1 / kappa) <= 16 * eps) & (h2 >= 2.0**-100) & (h2 <= 2.0**60)
         weights = h2 * 256.0 ** jnp.arange(levels - 1, -1, -1, dtype=jnp.float32)
-        read = jnp.concatenate([weights, jnp.stack([*consts, jnp.float32(0)])])
-        numbers.append((vouched & finite, grid, read))
-    return jax.lax.stop_gradient(tuple(numbers))
+        scalars = jnp.concatenate([weights, jnp.stack([*fusion.tile_consts, jnp.float32(0)])])
+        verdicts.append(_Verdict(vouched & finite, grid, scalars))
+    return jax.lax.stop_gradient(tuple(verdicts))
 
 
-def _fused_rows_times(kernel, x1, x2, rhs, transposed, plan, rows_times, budget):
-    """The engine's ``rows_times`` by the fused form where this section's rule vouches for the points, else by
-    ``rows_times`` (today's form, whose derivatives both use); ``rows_times`` itself where the fused form does not
-    take the product: an operand wider than FUSED_WIDTH_MAX, or the columns' digits over half the ``budget``."""
-    n, width, dim = x2.shape[0], rhs.shape[1], x1.shape[1]
-    packings = [_fused_chunks(dim, digits) for digits in DIGIT_COUNTS]
-    digit_bytes = sum((c[-1].offset + c[-1].padded) * n * (2 if variant == "bf16" else 1) for variant, c in packings)
-    fused_backward = width == 1 and dim <= FUSED_BACKWARD_FEATURES_MAX
-    digit_bytes += 4 * dim * n * len(DIGIT_COUNTS) * fused_backward  # the columns' grid moves
-    if rhs.dtype != jnp.float32 or not (0 < width <= FUSED_WIDTH_MAX and n and x1.shape[0]) or digit_bytes > budget / 2:
-        return rows_times
-    example = (x2[0], x1[0]) if transposed else (x1[0], x2[0])
-    pair, consts = jax.closure_convert(lambda x, y: kernel(x, y), *example)
-    probe = [jnp.broadcast_to(x[:1], (size, x.shape[1])) for x, size in ((x1, 2), (x2, 3))]  # of both points
-    fusion = _fusion(lambda x, y: pair(x, y, *consts), *probe, transposed, plan)
-    if fusion is None:
-        return rows_times
-    grid = _grid(x1, x2)
-    numbers = _fused_numbers(grid, fusion, dim)
-    tile_cols = min(FUSED_TILE[1], -(-n // 128) * 128)
-    columns = -(-n // tile_cols) * tile_cols
-    points = jax.lax.stop_gradient(_padded(x2, columns))
-    packed = []
-    for digits, (variant, chunks), (_, grid, _) in zip(DIGIT_COUNTS, packings, numbers, strict=True):
-        cols, col_norms = _packed(_digits(points, grid, digits), chunks, variant, False)
-        packed.append((cols, col_norms.T))
-    fused = tuple(functools.partial(_fused_product, tail=fusion[3], plan=plan, digits=d) for d in DIGIT_COUNTS)
-    fallback = lambda rows, cols, rhs, *consts: _contract(  # noqa: E731
-        _block(lambda x, y: pair(x, y, *consts), rows, cols, transposed, _without_fused(plan)), rhs, plan, width
-    )
+class _FusedOperands(NamedTuple):
+    """What a block's fused product reads besides its rows: the columns' packed digits and norms by digit count,
+    the operand's pieces, the verdicts, the columns' points, the backward's verdicts and the columns' grid moves."""
 
-    def scalars(*consts):  # s^2 and the tail's constants, as functions of the kernel's (on points of no trace)
-        zeros = [jnp.zeros(p.shape, p.dtype) for p in probe]
-        step, _, _, _, tail_consts = _fusion(lambda x, y: pair(x, y, *consts), *zeros, transposed, plan)
-        return step * step, tail_consts
-
-    backward, backward_vouched, moves = None, (), ()
-    if fused_backward:
-        back = [functools.partial(_fused_backward, tail=fusion[3], plan=plan, digits=d) for d in DIGIT_COUNTS]
-        backward = _FusedBackward(tuple(back), scalars, fallback)
-        backward_vouched = tuple(v for v, _, _ in _fused_numbers(grid, fusion, dim, derivative=True))
-        moves = tuple(_grid_moves(points, g, d) for d, (_, g, _) in zip(DIGIT_COUNTS, numbers, strict=True))
-    given = tuple(packed), _fused_operand(rhs, columns), numbers, points, backward_vouched, moves
-    return lambda rows: _fused_or_fallback((fused, backward), fallback, given, rows, x2, rhs, *consts)
-
-
-def _without_fused(plan):
-    """``plan`` for today's form: no fused d^2; a cross_covariance block (here the vmap form's) by the vmap form."""
-    block = Block.VMAP if plan.block is Block.CROSS_COVARIANCE else plan.block
-    distances = tuple(d for d in plan.squared_distances if d is not Distance.FUSED)
-    return dataclasses.replace(plan, block=block, squared_distances=distances)
+    packed: tuple
+    operand: tuple
+    verdicts: tuple
+    points: jax.Array
+    backward_vouched: tuple
+    moves: tuple
 
 
 def _first_vouched(vouched):
@@ -2322,9 +2836,9 @@ def _first_vouched(vouched):
 
 
 def _fused_or_fallback(forms, fallback, given, rows, cols, rhs, *consts):
-    """The block's product by the first of the fused forms (``forms[0]``, by digit count) whose numbers in
+    """The block's product by the first of the fused kernels (``forms[0]``, by digit count) whose verdicts in
     ``given`` vouch for it, else by ``fallback``; a primitive (_fused_primitives): forward-mode derivatives by
-    ``fallback``, reverse mode by the fused backward (``forms[1]``) where there is one and the numbers vouch."""
+    ``fallback``, reverse mode by the fused backward (``forms[1]``) where there is one and the verdicts vouch."""
     leaves, tree = jax.tree_util.tree_flatten(given)
     operands = [rows, cols, rhs, *consts, *leaves]
     operands = [a + _zeros_varying_like((), a.dtype, operands) for a in operands]  # as the type rules assume
@@ -2333,20 +2847,24 @@ def _fused_or_fallback(forms, fallback, given, rows, cols, rhs, *consts):
 
 
 def _fused_value(*operands, forms, fallback, tree, count):
-    """The product: the first vouched fused form's, else the fallback's."""
-    (rows, cols, rhs, *consts), (packed, operand, numbers, *_) = operands[:count], tree.unflatten(operands[count:])
-    on_grids = [functools.partial(f, rows, p, operand, n) for f, p, n in zip(forms[0], packed, numbers, strict=True)]
-    first = _first_vouched([vouched for vouched, _, _ in numbers])
+    """The product: the first vouched fused kernel's, else the fallback's."""
+    (rows, cols, rhs, *consts), given = operands[:count], tree.unflatten(operands[count:])
+    on_grids = [
+        functools.partial(f, rows, p, given.operand, v)
+        for f, p, v in zip(forms[0], given.packed, given.verdicts, strict=True)
+    ]
+    first = _first_vouched([verdict.vouched for verdict in given.verdicts])
     return jax.lax.switch(first, [*on_grids, lambda: fallback(rows, cols, rhs, *consts)])
 
 
 class _FusedBackward(NamedTuple):
     """The fused backward of a block's ``K @ v``: ``back`` by digit count (_fused_backward), ``scalars`` (the
-    kernel's constants -> s^2 and the tail's constants) and ``fallback``."""
+    kernel's constants -> s^2 and the tail's constants), ``fallback`` and the digit counts."""
 
     back: tuple
     scalars: object
     fallback: object
+    digit_counts: tuple
 
     def __call__(self, tree, primals, leaves, ct):
         """The cotangents of (rows, cols, rhs, *consts) for the output's cotangent ``ct``."""
@@ -2355,44 +2873,44 @@ class _FusedBackward(NamedTuple):
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _fused_cotangents(backward, given, ct, rows, cols, rhs, *consts):
-    """The block's cotangents by the first fused backward whose numbers vouch, else by the fallback's vjp.
+    """The block's cotangents by the first fused backward whose verdicts vouch, else by the fallback's vjp.
 
     The cotangent of s^2, sum C tail' |x - y|^2, from the grid: with e the grid's moves (x = x~ + e),
     |x - y|^2 = |x~ - y~|^2 + 2 (x - y).(e_x - e_y) - |e_x - e_y|^2. The middle term's sum is the moves against the
     points' cotangents; the last is at most D h^2 a pair. Where that bound is over 4 eps of sum |C tail'| d^2 (a
     quarter of the contract's 16), as for pairs nearer than the grid's step, the differences' squares are summed
     instead, in a second pass."""
-    packed, operand, numbers, points, vouched, moves = given
     n = cols.shape[0]
     (s2, tail_consts), by_scalars = jax.vjp(backward.scalars, *consts)
     eps = float(jnp.finfo(jnp.float32).eps)
 
-    def fused(back, digits, cols_packed, numbers, col_moves):
+    def fused(back, digits, cols_packed, verdict, col_moves):
         ct_rows, ct_cols, ct_rhs, (on_grid, weights, weighted), by_tail = back(
-            rows, cols_packed, points, operand, ct, numbers, s2
+            rows, cols_packed, given.points, given.operand, ct, verdict, s2
         )
-        row_moves = _grid_moves(rows, numbers[1], digits)
+        row_moves = _grid_moves(rows, verdict.grid, digits)
         from_grid = (on_grid + jnp.sum(row_moves * ct_rows) + jnp.sum(col_moves * ct_cols)) / s2
         with _float64():
-            step = _grid_step(numbers[1], digits)
+            step = _grid_step(verdict.grid, digits)
             bound = rows.shape[1] * s2.astype(jnp.float64) * step * step * weights.astype(jnp.float64)
             near = ~(bound < 4 * eps * weighted.astype(jnp.float64))
         squares = functools.partial(back, squares=True)
         by_s2 = jax.lax.cond(
-            near, lambda: squares(rows, cols_packed, points, operand, ct, numbers, s2)[3][0], lambda: from_grid
+            near,
+            lambda: squares(rows, cols_packed, given.points, given.operand, ct, verdict, s2)[3][0],
+            lambda: from_grid,
         )
         ct_consts = by_scalars((by_s2, list(by_tail[: len(tail_consts)])))
         return (ct_rows, ct_cols[:n], ct_rhs[:n], *ct_consts)
 
-    branches = [
-        functools.partial(fused, *a) for a in zip(backward.back, DIGIT_COUNTS, packed, numbers, moves, strict=True)
-    ]
+    parts = zip(backward.back, backward.digit_counts, given.packed, given.verdicts, given.moves, strict=True)
+    branches = [functools.partial(fused, *part) for part in parts]
     by_fallback = functools.partial(_fallback_cotangents, backward.fallback, ct, rows, cols, rhs, *consts)
-    return tuple(jax.lax.switch(_first_vouched(vouched), [*branches, by_fallback]))
+    return tuple(jax.lax.switch(_first_vouched(given.backward_vouched), [*branches, by_fallback]))
 
 
 def _fallback_cotangents(fallback, ct, *primals):
-    """The cotangents of ``fallback`` (today's form) at ``primals`` for the output's cotangent ``ct``."""
+    """The cotangents of ``fallback`` (the unfused form) at ``primals`` for the output's cotangent ``ct``."""
     return jax.vjp(fallback, *primals)[1](ct)
 
 
@@ -2408,8 +2926,9 @@ def _fused_cotangents_jvp(backward, primals, tangents):
 def _fused_primitives():
     """The primitives of a fused block's product and of its tangent. The tangent's is linear in its tangents,
     computed (and differentiated, and vmapped) by the fallback's jvp; its transpose, reverse mode, runs the fused
-    backward where vouched for. A custom_jvp cannot: JAX transposes its rule, and a Pallas kernel has no
-    transpose; and jax.checkpoint inlines a custom_jvp's own function where a second derivative then needs it."""
+    backward where vouched for. JAX's internals (``jax.interpreters``) because no public API serves: a custom_jvp's
+    rule is transposed by JAX (a Pallas kernel has none), a custom_vjp has no forward mode, and
+    ``custom_derivatives.linear_call`` has no batching rule and no derivative of its own (vmap, second order)."""
     from jax.interpreters import ad, batching, mlir
 
     product = jax.extend.core.Primitive("lazy_kernel_fused_product")
@@ -2456,282 +2975,8 @@ def _vmapped(impl, args, dims, **params):
     return jax.vmap(functools.partial(impl, **params), in_axes=dims)(*args), 0
 
 
-# --------------------------------------------------------------------------
-# 8. python lazy_kernel.py: check this machine against a dense NumPy oracle
-# --------------------------------------------------------------------------
-
-
-# Points N(5, 1) and lengthscale sqrt(D) keep |x - y|^2 / lengthscale^2 near 2 at every D: no K underflows. The
-# operands are mostly positive (uniform on [-0.25, 1)), so that a relative error of K shows almost whole in a
-# product. Each result is compared with NumPy float64 on ``--check`` rows (columns for ``w @ K``), relative to its
-# scale (|K| |v|), and passes within the contract: 16 eps plus 4x the error of the vmap form (the kernel on each
-# pair on this device, summed elementwise). The vmap form must be within what float arithmetic allows: each K
-# within ((D + 8) z / 2 + EXP_ULPS) eps of the truth, z = |x - y|^2 / lengthscale^2 (the feature sum's D - 1
-# roundings and 9 for the difference, scaling and squares, carried through exp; and exp's own error). Every device
-# runs the whole check (one program, replicated), and is judged on its own.
-
-EXP_ULPS = {"float32": 256, "float64": 2048}  # exp's error allowed: a TPU v5e's errs up to 116 ulp, past 256 in float64
-SANITY_CONTRACT_EPS = 16  # the operator's contract: 16 eps of the scale plus 4x the vmap form's error
-CHECK_DIMS = (3, 16, 128)  # a form of each kind the plan picks: features written out or a loop; the fused form
-# (TPU) or the float64 GEMM (CPU); int8 digits (TPU) or the GEMM
-FLOAT64_ACCELERATOR_BATCH = 512  # float64 off the CPU: emulated, its blocks' measurements compile for minutes
-INSTALL = {"tpu": 'pip install -e ".[tpu]"', "gpu": 'pip install -e ".[cuda12]" (or ".[cuda13]")'}
-_TPU_PCI_DEVICES = ("0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f", "0x0076")  # Google's, as JAX lists
-
-
-def _accelerator_here():
-    """An accelerator this machine shows, whether or not JAX can use it: "tpu" (a Google TPU chip on PCI, as JAX
-    looks for one), "gpu" (an NVIDIA GPU's device file), else None."""
-    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
-        with open(vendor) as f, open(os.path.join(os.path.dirname(vendor), "device")) as g:
-            if f.read().strip() == "0x1ae0" and g.read().strip() in _TPU_PCI_DEVICES:
-                return "tpu"
-    return "gpu" if any(map(os.path.exists, ("/dev/nvidia0", "/dev/nvidiactl"))) else None
-
-
-def _wrong_platform(asked):
-    """Why this check cannot run on the platform ``asked`` (None: JAX's default), or None where it can."""
-    default = jax.default_backend()
-    if asked not in (None, default):
-        try:
-            jax.devices(asked)
-        except RuntimeError:
-            install = f": install JAX for it ({INSTALL[asked]})" if asked in INSTALL else ""
-            return f"JAX finds no {asked} here (it runs on {default}){install}"
-        return f"JAX runs on {default} by default here; check {asked} with JAX_PLATFORMS={asked}"
-    seen = _accelerator_here()
-    if asked is None and default == "cpu" and seen:
-        return (
-            f"this machine has a {seen.upper()}, but JAX runs on the CPU: install JAX for it ({INSTALL[seen]}), "
-            "or check the CPU with --platform cpu"
-        )
-    return None
-
-
-def _rbf_numpy(x1, x2, lengthscale, variance):
-    """Dense RBF rows in NumPy float64, independent of everything above, a feature at a time; and z."""
-    z = np.zeros((len(x1), len(x2)))
-    for d in range(x1.shape[1]):
-        z += ((x1[:, d, None] - x2[None, :, d]) / lengthscale) ** 2
-    return variance * np.exp(-0.5 * z), z
-
-
-def _on_every_device(f, devices):
-    """``f`` jitted to run whole on each device, every input replicated, its outputs stacked [devices, ...]."""
-    stacked = lambda *args: jax.tree_util.tree_map(lambda out: out[None], f(*args))  # noqa: E731
-    if len(devices) == 1:
-        return jax.jit(stacked)
-    from jax.sharding import Mesh
-    from jax.sharding import PartitionSpec as P
-
-    mesh = Mesh(np.array(devices), ("devices",))
-    return jax.jit(_shard_map()(stacked, mesh=mesh, in_specs=P(), out_specs=P("devices")))
-
-
-def _shard_map():
-    """``jax.shard_map``, or its older home in ``jax.experimental``."""
-    if hasattr(jax, "shard_map"):
-        return jax.shard_map
-    from jax.experimental.shard_map import shard_map
-
-    return shard_map
-
-
-def _compiled(calls):
-    """Each ``(jitted function, arguments)`` traced here, then all compiled at once in threads (XLA compiles
-    without Python's lock): compiling one at a time took most of a TPU v5e's check in float64 (79 s at D = 64)."""
-    lowered = [f.lower(*f_args) for f, f_args in calls]
-    with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
-        return list(pool.map(lambda program: program.compile(), lowered))
-
-
-def _timed(f, *args, repeats=3):
-    """``f(*args)`` (its first run) and the median seconds of ``repeats`` more."""
-    result = jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - start)
-    return result, float(np.median(times))
-
-
-def _vmap_form(kernel, x1, x2, rows, cols, v, w, operand):
-    """The reference on this device: for each checked row, K's row by vmapping the pair call, its products with v
-    and ``operand`` and its row of the gradient of w.(K @ v) in x1; for each checked column, w @ K's entry; in the
-    order of ``_check``'s cases. Sums elementwise, a row at a time: no matrix unit, no [rows, N, D] array."""
-    row_of = lambda a: jax.vmap(kernel, (None, 0))(a, x2)  # noqa: E731
-
-    def row(i):
-        k = row_of(x1[i])
-        gradient = w[i] * jax.grad(lambda a: jnp.sum(row_of(a) * v))(x1[i])
-        return k, jnp.sum(k * v), jnp.sum(k[:, None] * operand, 0), gradient
-
-    column = lambda j: jnp.sum(w * jax.vmap(kernel, (0, None))(x1, x2[j]))  # noqa: E731
-    k, k_v, k_operand, gradient = jax.lax.map(row, rows)
-    return k, k_v, k_operand, jax.lax.map(column, cols), gradient
-
-
-def _named(device):
-    return f"device {device.id} ({device.device_kind})"
-
-
-def _relative_errors(got, want, scale):
-    """Each device's worst error relative to the scale: ``got`` [devices, ...] against ``want`` [...]."""
-    return np.max(np.abs(np.asarray(got, np.float64) - want) / scale, axis=tuple(range(1, np.ndim(got))))
-
-
-def _check(dim, devices, args):
-    """The check at ``dim`` features on every device: prints a line per case; returns what failed, if anything."""
-    dtype, on_cpu = args.dtype, devices[0].platform == "cpu"
-    n = args.n or (16384 if on_cpu else 65536 if dtype == "float32" else 4096)
-    eps = float(np.finfo(dtype).eps)
-    lengthscale, variance = (float(np.asarray(a, dtype)) for a in (np.sqrt(dim), 1.3))  # as JAX has them
-    rng = np.random.default_rng(dim)
-    x1, x2 = (np.asarray(rng.normal(size=(n, dim)) + 5.0, dtype) for _ in range(2))
-    v, w = (np.asarray(rng.uniform(-0.25, 1, size=n), dtype) for _ in range(2))
-    wide = np.asarray(rng.uniform(-0.25, 1, size=(n, args.width)), dtype)
-    kernel = RBF(jnp.asarray(lengthscale, dtype), jnp.asarray(variance, dtype))
-    batch_size = args.batch_size
-    if batch_size is None and dtype == "float64" and not on_cpu:
-        batch_size = FLOAT64_ACCELERATOR_BATCH
-    settings = dict(max_memory_mb=args.max_memory_mb, batch_size=batch_size)
-    rows = np.sort(rng.choice(n, size=min(args.check, n), replace=False))
-
-    def lazy(x1, x2, checkpoint=False):
-        return LazyKernel(kernel, x1, x2, checkpoint=checkpoint, **settings)
-
-    def loss(x1, x2, v, w):
-        return jnp.vdot(w, lazy(x1, x2, args.checkpoint) @ v)
-
-    cases = {  # name: (function of x1 x2 operand, its operand's name)
-        "K @ v": (lambda x1, x2, v: (lazy(x1, x2) @ v)[rows], "v"),
-        f"K @ X ({args.width} columns)": (lambda x1, x2, wide: (lazy(x1, x2) @ wide)[rows], "wide"),
-        "w @ K": (lambda x1, x2, w: (w @ lazy(x1, x2))[rows], "w"),
-        "grad_x1 w.(K @ v)": (lambda x1, x2, v, w: jax.grad(loss)(x1, x2, v, w)[rows], "v w"),
-    }
-    op = LazyKernel(kernel, jnp.asarray(x1), jnp.asarray(x2), **settings)
-    plan = block_plan(kernel, dim, dtype)
-    forms = ", ".join([plan.block.name.lower(), *(d.name.lower() for d in plan.squared_distances)])
-    print(f"\nD = {dim}: K {n} x {n}, {dtype}, RBF(lengthscale sqrt(D), variance 1.3), points N(5, 1); plan: {forms}")
-    given = " (given: float64 off the CPU)" if batch_size != args.batch_size else ""
-    print(f"blocks used: {op.block_rows} rows of {n} in K @ v, {op.block_cols} columns in w @ K{given}")
-
-    arrays = dict(zip(("x1", "x2", "v", "w", "wide"), map(jnp.asarray, (x1, x2, v, w, wide)), strict=True))
-    calls = [
-        (
-            _on_every_device(functools.partial(_vmap_form, kernel), devices),
-            [arrays["x1"], arrays["x2"], rows, rows, arrays["v"], arrays["w"], arrays["wide"]],
-        ),
-        *(
-            (_on_every_device(f, devices), [arrays["x1"], arrays["x2"], *(arrays[a] for a in names.split())])
-            for f, names in cases.values()
-        ),
-    ]
-    vmap_form, *compiled = _compiled(calls)
-    k_vmap, *vmap_results = (np.asarray(a, np.float64) for a in vmap_form(*calls[0][1]))
-
-    x1, x2, v, w, wide = (np.asarray(a, np.float64) for a in (x1, x2, v, w, wide))
-    k_rows, z = _rbf_numpy(x1[rows], x2, lengthscale, variance)  # K[rows, :]
-    k_cols = _rbf_numpy(x1, x2[rows], lengthscale, variance)[0]  # K[:, rows]
-    weighted = k_rows * v  # the terms of the gradient's sums, below
-    gradient = w[rows, None] * (weighted @ x2 - x1[rows] * weighted.sum(1, keepdims=True)) / lengthscale**2
-    terms = [np.abs(weighted * (x2[:, d] - x1[rows, d, None])).sum(1) for d in range(dim)]  # a feature's
-    truths = [  # each case's truth at the rows checked, and its scale
-        (k_rows @ v, k_rows @ np.abs(v)),
-        (k_rows @ wide, k_rows @ np.abs(wide)),
-        (w @ k_cols, np.abs(w) @ k_cols),
-        (gradient, np.abs(w[rows, None]) * np.stack(terms, 1) / lengthscale**2),
-    ]
-    allowed = ((dim + 8) * z / 2 + EXP_ULPS[dtype]) * eps
-    kernel_errors = np.max(np.abs(k_vmap - k_rows) / (k_rows * allowed), axis=(1, 2))
-    print(f"{'kernel values, vmap form':>26}: {kernel_errors.max():.2f} of the error float arithmetic allows", end=" ")
-    print("ok" if kernel_errors.max() <= 1 else "FAIL")
-    failures = [
-        f"D = {dim}: the kernel's values err {e:.3g}x what float arithmetic allows on {_named(devices[i])}: "
-        "exp or arithmetic"
-        for i, e in enumerate(kernel_errors)
-        if e > 1
-    ]
-    for name, f, (_, f_args), vmapped, (want, scale) in zip(
-        cases, compiled, calls[1:], vmap_results, truths, strict=True
-    ):
-        result, seconds = _timed(f, *f_args)
-        errors, vmap_errors = _relative_errors(result, want, scale), _relative_errors(vmapped, want, scale)
-        tolerances = SANITY_CONTRACT_EPS * eps + 4 * vmap_errors
-        worst = int(np.argmax(errors / tolerances))
-        print(
-            f"{name:>26}: {seconds * 1e3:9.2f} ms, {n * n / seconds:8.3g} pairs/s, error {errors[worst]:.2e} "
-            f"(vmap form {vmap_errors[worst]:.2e}; allowed {tolerances[worst]:.2e}) "
-            + ("ok" if np.all(errors <= tolerances) else "FAIL")
-        )
-        failures += [
-            f"D = {dim}: {name} ({e / t:.3g}x the contract) on {_named(devices[i])}"
-            for i, (e, t) in enumerate(zip(errors, tolerances, strict=True))
-            if e > t
-        ]
-    return failures
-
-
-def _dims(text):
-    """``--dim``'s value: features per point, one number or a comma-separated list."""
-    try:
-        dims = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"features per point, such as 16 or 3,16,128; got {text!r}") from None
-    if not dims or min(dims) < 1:
-        raise argparse.ArgumentTypeError(f"features per point must be at least 1; got {text!r}")
-    return dims
-
-
-def _parse(argv):
-    parser = argparse.ArgumentParser(description="Check LazyKernel on this machine against dense NumPy rows.")
-    parser.add_argument("--platform", choices=["cpu", "gpu", "tpu"], help="fail unless JAX runs there")
-    parser.add_argument(
-        "--n", type=int, help="points in x1 and in x2 (M = N); 16384 on CPU, 65536 on an accelerator (4096 in float64)"
-    )
-    parser.add_argument("--dim", type=_dims, default=CHECK_DIMS, help="features per point, or a list: 3,16,128")
-    parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
-    parser.add_argument("--width", type=int, default=16, help="columns of X in K @ X")
-    parser.add_argument("--max-memory-mb", type=float, default=2**10, help="budget for the blocks")
-    parser.add_argument(
-        "--batch-size",
-        type=int,
-        help=f"rows/columns per block; measured, but {FLOAT64_ACCELERATOR_BATCH} in float64 off the CPU",
-    )
-    checkpoint = argparse.BooleanOptionalAction
-    parser.add_argument("--checkpoint", action=checkpoint, default=True, help="checkpoint the gradient's blocks")
-    parser.add_argument("--check", type=int, default=64, help="rows and columns compared with NumPy")
-    args = parser.parse_args(argv)
-    for name in ("n", "width", "batch_size", "check"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1; got {getattr(args, name)}")
-    if not (args.max_memory_mb >= 0 and math.isfinite(args.max_memory_mb)):
-        parser.error(f"--max-memory-mb must be a finite number >= 0; got {args.max_memory_mb}")
-    return args
-
-
-def main(argv=None) -> int:
-    args = _parse(argv)
-    wrong = _wrong_platform(args.platform)
-    if wrong:
-        print(f"FAIL: {wrong}")
-        return 1
-    if args.dtype == "float64":
-        jax.config.update("jax_enable_x64", True)
-    devices = jax.devices()
-    kinds = ", ".join(sorted({d.device_kind for d in devices}))
-    print(f"platform: {devices[0].platform}, {len(devices)} x {kinds}; jax {jax.__version__}")
-    print(f"each device runs the whole check; budget {args.max_memory_mb:g} MB; D = {', '.join(map(str, args.dim))}")
-    failures = [failure for dim in args.dim for failure in _check(dim, devices, args)]
-    if failures:
-        print(
-            f"FAIL: {'; '.join(failures)}. The contract: {SANITY_CONTRACT_EPS} eps + 4x the vmap form's error; a "
-            "product rounded to bf16 errs about 1e-3"
-        )
-    else:
-        print("PASS")
-    return 1 if failures else 0
+_LAYERS.append(_fused_plan)
+# --- end optional layer: fused TPU product ---
 
 
 if __name__ == "__main__":

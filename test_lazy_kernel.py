@@ -17,6 +17,7 @@ import functools
 import importlib.util
 import inspect
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -182,12 +183,10 @@ def points(rng, n, dim, dtype):
 
 @pytest.fixture(params=["layers on", "core alone"])
 def layers(request, monkeypatch):
-    """Run a test with both optional layers on (the default), and with the core alone: the layers' entries fail."""
+    """Run a test with the optional layers (the default), and with the core alone: no layer refines a plan (test_
+    each_layer_cuts_out deletes them from the file too)."""
     if request.param == "core alone":
-        monkeypatch.setattr(lazy_kernel, "PAIR_PROGRAM", False)
-        monkeypatch.setattr(lazy_kernel, "MEASURED_BLOCKS", False)
-        for entry in ("_pair_program_takes", "_pair_program_block", "_measured_product", "_measured_block"):
-            monkeypatch.setattr(lazy_kernel, entry, functools.partial(pytest.fail, f"the core called {entry}"))
+        monkeypatch.setattr(lazy_kernel, "_LAYERS", [])
     return request.param
 
 
@@ -378,9 +377,9 @@ def test_one_plan_decides_each_block(backend, monkeypatch):
     plan = lazy_kernel.block_plan(RBF(0.7), 3, jnp.float32)
     assert plan == lazy_kernel.block_plan(RBF(0.9), 3) and plan.backend == backend and hash(plan)
     with pytest.raises(AttributeError):  # dataclasses.FrozenInstanceError
-        plan.block = lazy_kernel.Block.VMAP
-    block = {"cpu": lazy_kernel.Block.PAIR_PROGRAM, "tpu": lazy_kernel.Block.PAIR_PROGRAM_VALUES}[backend]
-    assert plan.block is block and lazy_kernel.block_evaluation(RBF(0.7), 3) == "pair program"
+        plan.block = lazy_kernel.VmapForm()
+    assert isinstance(plan.block, lazy_kernel.PairProgramForm) and plan.block.values_only == (backend == "tpu")
+    assert plan is lazy_kernel.block_plan(RBF(0.9), 3) and lazy_kernel.block_evaluation(RBF(0.7), 3) == "pair program"
 
     def loss(ls, x1):
         return jnp.sum(jnp.sin(LazyKernel(RBF(ls), x1, x2, checkpoint=True) @ v))
@@ -1576,7 +1575,7 @@ def test_float32_distances_take_the_float64_gemm_where_the_kernel_takes_its_erro
         pytest.skip("the GEMMs run in the pair program on CPU only")
     if not lazy_kernel._float64_in_traces():
         pytest.skip("the float64 GEMM runs from JAX 0.8")
-    monkeypatch.setattr(lazy_kernel, "_looped_sum", lambda size, feature: jnp.full_like(feature(0), jnp.nan))
+    monkeypatch.setattr(lazy_kernel, "_looped_sum", lambda size, feature, form: jnp.full_like(feature(0), jnp.nan))
     dim = lazy_kernel.WIDE_GEMM_FEATURES_MIN
     ls = np.linspace(0.5, 1.5, dim).astype(np.float32)
     rng = np.random.default_rng(3)
@@ -2242,7 +2241,8 @@ def test_fused_kernel_is_one_mosaic_takes(dim, width, monkeypatch):
         maps = [str(m.index_map_jaxpr) for call in calls for m in call.params["grid_mapping"].block_mappings]
         exported = jax.export.export(jax.jit(lambda *a: product(*a)), platforms=["tpu"])  # not make_jaxpr's trace
         plan = lazy_kernel.block_plan
-        monkeypatch.setattr(lazy_kernel, "block_plan", lambda *a: dataclasses.replace(plan(*a), interpret=False))
+        compiled = lambda p: dataclasses.replace(p, product=dataclasses.replace(p.product, interpret=False))  # noqa: E731
+        monkeypatch.setattr(lazy_kernel, "block_plan", lambda *a: compiled(plan(*a)))
         try:
             assert "tpu_custom_call" in exported(x, v).mlir_module()
         finally:
@@ -2297,7 +2297,7 @@ def test_which_kernels_the_fused_form_takes(name, backend, monkeypatch):
     dim = lazy_kernel.FUSED_FEATURES_MIN
 
     def fused(kernel, dim=dim, dtype=jnp.float32):
-        return lazy_kernel.Distance.FUSED in lazy_kernel.block_plan(kernel, dim, dtype).squared_distances
+        return isinstance(lazy_kernel.block_plan(kernel, dim, dtype).product, lazy_kernel.FusedProduct)
 
     on_tpu = backend == "tpu" and lazy_kernel._pallas() is not None and JAX_VERSION >= (0, 8)
     assert fused(make(0.9)) == fused(make(0.9), 256) == on_tpu
@@ -2540,7 +2540,7 @@ def test_fused_forms_over_several_tiles(width, monkeypatch):
     column) the fused backward's gradient in the lengthscale, x1, x2 and v, against NumPy float64 within the
     contract. Each tile's product is added into its rows' sums; the backward's column sums add every row tile."""
     monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
-    monkeypatch.setattr(lazy_kernel, "FUSED_TILE", (32, 128))
+    monkeypatch.setattr(lazy_kernel, "FUSED_TILES", lazy_kernel.FusedTiles(rows=32, cols=128))
     rng = np.random.default_rng(width)
     ls = float(np.float32(np.sqrt(16 / 3)))
     x1, x2 = (np.asarray(rng.normal(size=(n, 16)), np.float32) for n in (100, 300))
@@ -2608,13 +2608,13 @@ def test_fused_branches_follow_the_rule(name, digits, backward, side, monkeypatc
     dim, ls = 16, 1.5
     make = FUSED_KERNELS[name][0]
     probes = (jnp.zeros((n, dim), jnp.float32) for n in (2, 3))
-    fusion = lazy_kernel._fusion(make(jnp.float32(ls)), *probes, False, lazy_kernel.block_plan(RBF(), dim))
+    fusion = lazy_kernel._fusion(make(jnp.float32(ls)), *probes, False, lazy_kernel.block_plan(RBF(), dim).block)
     # lambda: |tail' / tail| at its largest (RBF 1/2, Matern 5/2 5/6 at d^2 = 0); the backward's, with |tail'' / tail'|
     # (RBF 1/2; Matern 5/2's is 5/2 at 0, its float64 probe at d^2 = 2^-40 rounding noise of about 100)
-    sensitivity = {b: float(lazy_kernel._sensitivity(fusion[2], b)) for b in (False, True)}
+    sensitivity = {b: float(lazy_kernel._sensitivity(fusion.tail, b)) for b in (False, True)}
     assert sensitivity[False] == pytest.approx(0.5 if name.startswith("rbf") else 5 / 6, rel=1e-6)
     assert sensitivity[True] == pytest.approx(0.5, rel=1e-6) if name.startswith("rbf") else sensitivity[True] >= 2.5
-    limits = {(c, b): rule_reach(sensitivity[b], c, ls, dim, fusion[1]) for c in (3, 4) for b in (False, True)}
+    limits = {(c, b): rule_reach(sensitivity[b], c, ls, dim, fusion.steps) for c in (3, 4) for b in (False, True)}
     reach = limits[digits, backward] * {"inside": 0.97, "outside": 1.03}[side]
     expected = {  # the first digit count whose limit the points are within, else today's form
         site: next((i for i, c in enumerate((3, 4)) if reach <= limits[c, b]), 2)
@@ -2687,9 +2687,10 @@ def fused_rule(kernel, x1, x2=None):
     by digit count."""
     dim, x2 = x1.shape[1], x1 if x2 is None else x2
     rows, cols = jnp.broadcast_to(x1[:1], (2, dim)), jnp.broadcast_to(x1[:1], (3, dim))
-    fusion = lazy_kernel._fusion(kernel, rows, cols, False, lazy_kernel.block_plan(RBF(), dim))
-    numbers = lazy_kernel._fused_numbers(lazy_kernel._grid(x1, x2), fusion, dim)
-    return fusion, {c: bool(vouched) for c, (vouched, _, _) in zip(lazy_kernel.DIGIT_COUNTS, numbers, strict=True)}
+    plan = lazy_kernel.block_plan(RBF(), dim)  # a plan whose product is fused: its pair program and digits
+    fusion = lazy_kernel._fusion(kernel, rows, cols, False, plan.block)
+    verdicts = lazy_kernel._verdicts(lazy_kernel._grid(x1, x2), fusion, dim, plan.product)
+    return fusion, {c: bool(v.vouched) for c, v in zip(lazy_kernel.DIGIT_COUNTS, verdicts, strict=True)}
 
 
 @FUSED_ON_CPU
@@ -2702,7 +2703,7 @@ def test_fused_rule_vouches_where_the_grid_keeps_the_contract(name, monkeypatch)
     make, _ = FUSED_KERNELS[name]
     x = jnp.asarray(np.random.default_rng(0).uniform(-1, 1, size=(50, 16)), jnp.float32)
     fusion, near = fused_rule(make(1.0), x)
-    sensitivity = float(lazy_kernel._sensitivity(fusion[2]))
+    sensitivity = float(lazy_kernel._sensitivity(fusion.tail))
     assert sensitivity == pytest.approx({"gpjax-Matern32": 1.5, "gpjax-Matern52": 5 / 6}.get(name, 0.5), rel=1e-3)
     assert near == fused_rule(make(1.0), x + 100)[1] == fused_rule(make(1.0), x - 1e6)[1] == {3: True, 4: True}
     assert fused_rule(make(1.0), 8 * x)[1] == {3: False, 4: True}
@@ -2740,7 +2741,7 @@ def test_fused_products_as_accurate_as_the_vmap_form(name, dim, monkeypatch, dev
     rng = np.random.default_rng(dim)
     ls = np.array(0.9)
     make = ACCURACY_KERNELS[name][0]
-    fused = lazy_kernel.Distance.FUSED in lazy_kernel.block_plan(make(jnp.float32(0.9)), dim).squared_distances
+    fused = isinstance(lazy_kernel.block_plan(make(jnp.float32(0.9)), dim).product, lazy_kernel.FusedProduct)
     assert fused  # Matern 1/2's too: the rule then sends every product to today's form
     weights = rng.normal(size=(24, 20))
     assert_as_accurate_as_the_vmap_form(name, accuracy_data(rng, dim, ls), ls, jnp.float32, True, weights)
@@ -2769,7 +2770,7 @@ def test_sanity_check_passes(capsys, device, users_precision):
     assert f"platform: {device.platform}, 1 x {device.device_kind}" in out
     for dim, part in zip(lazy_kernel.CHECK_DIMS, out.split("\nD = ")[1:], strict=True):
         plan = lazy_kernel.block_plan(RBF(), dim)
-        assert part.startswith(f"{dim}: K 2500 x 2500") and f"plan: {plan.block.name.lower()}" in part
+        assert part.startswith(f"{dim}: K 2500 x 2500") and f"form: {plan.block.name}" in part
         rows = int(part.split("blocks used: ")[1].split()[0])
         zeros = jnp.zeros((2500, dim), jnp.float32)
         assert 1 <= rows <= LazyKernel(RBF(), zeros, zeros, max_memory_mb=1).batch_size_row  # measured
@@ -2835,15 +2836,16 @@ def _off_by_bf16_sized_errors(what, monkeypatch):
     if what == "contraction at JAX's default precision":  # bf16 passes on a TPU (float32 on a CPU)
         monkeypatch.setattr(lazy_kernel, "_contraction_precision", lambda: None)
         return
-    block = lazy_kernel._block
+    form = type(lazy_kernel.block_plan(RBF(), 3).block)  # how the check's blocks are made
+    make = form.make
 
-    def wrong_block(*args):
-        values = block(*args)
+    def wrong_block(self, *args):
+        values = make(self, *args)
         if what == "K off by 5e-4":
             return values * (1 + 5e-4)
         return jax.lax.reduce_precision(values, 8, 7)  # bf16's bits, as a bf16 product takes K
 
-    monkeypatch.setattr(lazy_kernel, "_block", wrong_block)
+    monkeypatch.setattr(form, "make", wrong_block)
 
 
 @pytest.mark.accelerator
@@ -3111,6 +3113,91 @@ def test_shard_map_on_two_processes():
     outputs = finish(started(start_on_two_processes))
     for i, out in enumerate(outputs):
         assert f"passed on 4 devices in process {i} of 2" in out
+
+
+# -- the core alone: each optional layer cut out of the file -------------------------------------------
+
+LAYER_NEEDS = {"pair program": (), "measured blocks": (), "fused TPU product": ("pair program",)}
+
+
+def cut_layers(text, names):
+    """The file's ``text`` without the optional layers ``names``, each its span between the begin and end lines."""
+    for name in names:
+        span = re.compile(
+            rf"\n# --- begin optional layer: {name} ---\n.*?\n# --- end optional layer: {name} ---\n", re.S
+        )
+        text, count = span.subn("\n", text)
+        assert count == 1, name
+    return text
+
+
+CORE_ORACLE = """
+import sys, jax, jax.numpy as jnp, numpy as np
+jax.config.update("jax_enable_x64", True)
+import lazy_kernel as lk
+rng = np.random.default_rng(0)
+x1, x2, v, w = rng.normal(size=(37, 3)), rng.normal(size=(23, 3)), rng.normal(size=23), rng.normal(size=(2, 37))
+d2 = np.sum((x1[:, None] - x2[None]) ** 2, -1) / 0.8**2
+k = 1.7 * np.exp(-0.5 * d2)  # NumPy float64
+
+
+class Own:
+    def __call__(self, x, y):
+        return 1.7 * jnp.exp(-0.5 * jnp.sum(((x - y) / 0.8) ** 2))
+
+    def cross_covariance(self, a, b):
+        return 1.7 * jnp.exp(-0.5 * jnp.sum(((a[:, None] - b[None]) / 0.8) ** 2, -1))
+
+
+def close(got, want, scale):
+    assert np.all(np.abs(np.asarray(got) - want) <= 1e-12 * scale), np.max(np.abs(np.asarray(got) - want) / scale)
+
+
+for kernel in (lk.RBF(0.8, 1.7), lambda x, y: 1.7 * jnp.exp(-0.5 * jnp.sum(((x - y) / 0.8) ** 2)), Own()):
+    for batch in (None, 5):
+        op = lk.LazyKernel(kernel, x1, x2, batch_size=batch, max_memory_mb=0.01, checkpoint=True)
+        close(op @ v, k @ v, k @ np.abs(v))
+        close(w @ op, w @ k, np.abs(w) @ k)
+        close(op.T @ w.T, (w @ k).T, (np.abs(w) @ k).T)
+        close(op.to_dense(), k, k)
+        close(op.diagonal(), np.diag(k), np.diag(k))
+        grad = jax.grad(lambda x1: jnp.sum(lk.LazyKernel(kernel, x1, x2, batch_size=batch, checkpoint=True) @ v))(x1)
+        terms = (k * v)[..., None] * (x2[None] - x1[:, None]) / 0.8**2
+        close(grad, terms.sum(1), np.abs(terms).sum(1))
+plan = lk.block_plan(lk.RBF(), 3)
+print("core oracle passed;", type(plan.block).__name__, type(plan.sizing).__name__, type(plan.product).__name__)
+"""
+
+
+@pytest.mark.usefixtures("cpu_only")
+@pytest.mark.parametrize(
+    "names",
+    [("pair program", "measured blocks", "fused TPU product")]
+    + [
+        pytest.param((name, *(n for n, needs in LAYER_NEEDS.items() if name in needs)), marks=SLOW)
+        for name in LAYER_NEEDS
+    ],
+)
+def test_each_layer_cuts_out(names, tmp_path):
+    """The core runs alone: each optional layer cut out of lazy_kernel.py, with the layers that need it, or all
+    of them, the products, transpose, dense matrix, diagonal and gradient match NumPy float64 (the core's oracle),
+    ``python lazy_kernel.py`` passes, and what is left names nothing that was cut."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(here, "lazy_kernel.py")) as f:
+        text = cut_layers(f.read(), names)
+    for name in names:
+        assert f"optional layer: {name}" not in text
+    (tmp_path / "lazy_kernel.py").write_text(text)
+    (tmp_path / "core_oracle.py").write_text(CORE_ORACLE)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    oracle = subprocess.run([sys.executable, "core_oracle.py"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert oracle.returncode == 0, oracle.stderr[-3000:]
+    forms = oracle.stdout.split(";")[1].split()
+    assert ("PairProgramForm" in forms) == ("pair program" not in names)
+    assert ("MeasuredBlocks" in forms) == ("measured blocks" not in names)
+    check = [sys.executable, "lazy_kernel.py", "--n", "300", "--dim", "3,16", "--check", "8"]
+    checked = subprocess.run(check, cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert checked.returncode == 0 and checked.stdout.rstrip().endswith("PASS"), checked.stdout + checked.stderr
 
 
 # -- real use: solvers, the README's examples -----------------------------------------
