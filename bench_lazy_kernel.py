@@ -613,15 +613,15 @@ def accelerator_features_table(n, gpjax):
             print(f"| {dim} | {kernel} | {written} | {vmapped} |", flush=True)
 
 
-def fused_table(n, gpjax):
-    """Off the CPU: products with one scalar lengthscale, which a TPU fuses from FUSED_FEATURES_MIN (layer 7),
-    against the same RBF with FUSED_PRODUCT off and the inexact GEMM RBF, by D."""
-    print(f"\n## Fused products (layer 7), lengthscale sqrt(D / 3), float32, M = N = {n}: K @ v, K @ X (16 columns)")
+def fused_table(n, gpjax, dims=(3, 16, 32, 64, 128, 256)):
+    """Off the CPU: products with one scalar lengthscale, which a TPU fuses from FUSED_FEATURES_MIN, against the
+    same RBF with FUSED_PRODUCT off and the inexact GEMM RBF, by D."""
+    print(f"\n## Fused products, lengthscale sqrt(D / 3), float32, M = N = {n}: K @ v, K @ X (16 columns)")
     print("## in ms, ratios to the inexact GEMM RBF in the same run\n")
     names = ["inexact GEMM RBF", "lazy_kernel.RBF", "RBF, FUSED_PRODUCT off"] + ["GPJax RBF"] * (gpjax is not None)
     print(f"| D | {' | '.join(names)} |")
     print("|---" * (len(names) + 1) + "|")
-    for dim in (3, 16, 32, 64, 128, 256):
+    for dim in dims:
         rng = np.random.default_rng(0)
         x = jnp.asarray(rng.normal(size=(n, dim)), jnp.float32)
         v, wide = jnp.asarray(rng.normal(size=n), jnp.float32), jnp.asarray(rng.normal(size=(n, 16)), jnp.float32)
@@ -642,8 +642,8 @@ def fused_table(n, gpjax):
 
 def fused_gradient_table(n, gpjax):
     """Off the CPU: the checkpointed gradient of sum(sin(K @ v)) in (lengthscale, points, v) at one scalar
-    lengthscale, fused where layer 7 takes it, against the same RBF with FUSED_PRODUCT off and the GEMM RBF, by D."""
-    print(f"\n## Fused gradients (layer 7), lengthscale sqrt(D / 3), float32, M = N = {n}: ms, ratios to the GEMM's\n")
+    lengthscale, fused where the fused layer takes it, against the same RBF with FUSED_PRODUCT off and the GEMM RBF, by D."""
+    print(f"\n## Fused gradients , lengthscale sqrt(D / 3), float32, M = N = {n}: ms, ratios to the GEMM's\n")
     names = ["inexact GEMM RBF", "lazy_kernel.RBF", "RBF, FUSED_PRODUCT off"] + ["GPJax Matern52"] * (gpjax is not None)
     print(f"| D | {' | '.join(names)} |")
     print("|---" * (len(names) + 1) + "|")

@@ -7,36 +7,19 @@ but computes K a block of rows at a time inside a ``jax.lax.fori_loop``:
         out[I] = K(x1[I], x2) @ X          # one [block, N] piece of K at a time
 
 so memory is one block plus the output, not the [M, N] matrix. ``X @ K``
-runs the same loop over blocks of columns. With ``checkpoint=True`` every
-block is recomputed in the backward pass instead of stored, so gradients
-stay a few blocks too.
+runs the same loop over blocks of columns. With ``checkpoint=True`` blocks
+are recomputed in the backward pass instead of stored.
 
-Reading map. The core comes first and runs alone (the file up to the first
-optional layer, with the last two lines):
-
-1. Kernels: the two protocols, ``RBF`` and ``kernel_block`` (one block of K).
-2. The plan: ``block_plan`` decides, once per kernel structure, D, dtype and
-   backend, how a block is made (``Plan.block``), contracted, sized
-   (``Plan.sizing``) and multiplied (``Plan.product``); each optional layer
-   refines the plan through ``_LAYERS``, the core's one seam, and writes why a
-   faster form was not taken into ``Plan.notes``.
-3. The engine: ``_blockwise_matmul``, the loop above, and ``_contract``.
-4. The operator: ``LazyKernel``, with CAGPJax's batch-size arithmetic.
-5. ``python lazy_kernel.py`` checks a machine against a dense NumPy oracle.
-
-Optional layers follow, each one span between ``# --- begin optional layer``
-and ``# --- end optional layer`` lines, each with a switch (set it before
-tracing); delete a span, and the layers after it that name it, and the rest
-runs:
-
-- pair program: blocks from the kernel's own program run on whole blocks, the
-  vmap form's accuracy, faster (``PairProgramForm``).
-- measured blocks: the block size from XLA's measured peak of the program that
-  runs, so that the budget bounds the real memory, gradients included
-  (``MeasuredBlocks``).
-- fused TPU product (needs the pair program): on a TPU, a block's product in one
-  Pallas kernel, squared distances exact on the matrix unit, where a rule
-  vouches for the data (``FusedProduct``); reverse mode by a second kernel.
+Reading map. The core comes first and runs alone: 1. kernels; 2. the plan
+(``block_plan``: how a block is made, sized, multiplied and contracted, once
+per kernel structure, D, dtype and backend; each optional layer refines it
+through ``_LAYERS``, the core's one seam); 3. the engine (``_blockwise_matmul``,
+the loop above); 4. the operator (``LazyKernel``); 5. the check (``python
+lazy_kernel.py``). Optional layers follow, each one span between ``# ---
+begin optional layer`` and ``# --- end optional layer`` lines (delete one, and
+those that need it, and the rest runs): the pair program (``PairProgramForm``:
+the vmap form's numbers, faster), measured blocks (``MeasuredBlocks``: the
+budget bounds XLA's measured peak) and the fused TPU product (``FusedProduct``).
 
 The file depends on ``jax`` alone: copy it into your project if you like.
 """
@@ -85,33 +68,24 @@ BACKEND = None  # the backend blocks are planned for; None: JAX's default (the t
 
 @runtime_checkable
 class PairKernel(Protocol):
-    """A kernel evaluated on one pair of points: ``kernel(x: [D], y: [D]) -> scalar``.
-
-    A plain function, a ``functools.partial`` or a pytree (whose array leaves
-    are hyperparameters that gradients reach) all qualify.
-    """
+    """``kernel(x: [D], y: [D]) -> scalar``: a function, a ``functools.partial`` or a pytree (whose array leaves
+    are hyperparameters that gradients reach)."""
 
     def __call__(self, x: jax.Array, y: jax.Array) -> jax.Array: ...
 
 
 @runtime_checkable
 class CrossCovarianceKernel(PairKernel, Protocol):
-    """A pair kernel that can also fill a whole block: ``[m, D], [n, D] -> [m, n]``.
-
-    Its blocks come from ``cross_covariance``, unless that is exactly the vmap
-    of the pair call (as GPJax's is): then a faster form may run instead.
-    """
+    """A pair kernel that fills blocks, ``[m, D], [n, D] -> [m, n]``: used unless it is exactly the vmap form of
+    the pair call (GPJax's is), which a faster form may replace."""
 
     def cross_covariance(self, x1: jax.Array, x2: jax.Array) -> jax.Array: ...
 
 
 @jax.tree_util.register_pytree_node_class
 class RBF:
-    """Squared-exponential kernel ``variance * exp(-|x - y|^2 / (2 lengthscale^2))``.
-
-    ``lengthscale`` may be a scalar or one value per feature. Each difference
-    is taken before it is scaled, so equal points give exactly ``variance``.
-    """
+    """``variance * exp(-|x - y|^2 / (2 lengthscale^2))``, a lengthscale per feature or one; each difference is
+    taken before it is scaled, so equal points give exactly ``variance``."""
 
     def __init__(self, lengthscale=1.0, variance=1.0):
         self.lengthscale = jnp.asarray(lengthscale)
@@ -135,18 +109,13 @@ class RBF:
 
 
 def kernel_block(kernel: PairKernel, xa: jax.Array, xb: jax.Array, *, transposed: bool = False) -> jax.Array:
-    """The dense block ``K[i, j] = kernel(xa[i], xb[j])``, shape [len(xa), len(xb)].
-
-    With ``transposed``, ``kernel(xb[j], xa[i])``: a block of the transpose,
-    computed as it is rather than transposed afterwards. Made as
-    ``block_plan`` says (``Plan.block``): the vmap form (the reference), the
-    kernel's ``cross_covariance``, or an optional layer's faster form.
-    """
+    """The block ``K[i, j] = kernel(xa[i], xb[j])`` (with ``transposed``, ``kernel(xb[j], xa[i])``), made as
+    ``block_plan`` says: the vmap form (the reference), the kernel's ``cross_covariance`` or a layer's form."""
     return block_plan(kernel, xa.shape[1], jnp.result_type(xa, xb)).block.make(kernel, xa, xb, transposed)
 
 
 def _vmap_block(kernel, xa, xb, transposed=False):
-    """The block by vmapping the pair call: what GPJax computes, and what every faster form must equal."""
+    """The block by vmapping the pair call: GPJax's form, the reference."""
     pair = (lambda x, y: kernel(y, x)) if transposed else kernel
     return jax.vmap(jax.vmap(pair, in_axes=(None, 0)), in_axes=(0, None))(xa, xb)
 
@@ -180,12 +149,9 @@ def _check_kernel(kernel, dim, dtype):
 # 2. The plan
 # --------------------------------------------------------------------------
 #
-# A plan is decided once per kernel structure, D, dtype and backend, traced and never run, and cached. The core
-# plans the vmap form (or the kernel's own cross_covariance) and the contraction; then each optional layer, in
-# file order, may refine it (_LAYERS): a faster block form (``block``), blocks sized by XLA's measured peak
-# (``sizing``), or a fused product (``product``). Each layer's setting is a frozen value of the layer's own,
-# holding every decision that does not depend on the data; rules that do (a GEMM's error bound, the fused form's
-# digits) run where the data are, choosing among the forms the plan names.
+# The core plans the vmap form (or the kernel's cross_covariance) and the contraction; each optional layer may
+# refine it (_LAYERS) with a frozen value of its own holding every decision that does not depend on the data.
+# Rules that do (a GEMM's error bound, the fused form's digits) run on the data, among the forms the plan names.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,6 +194,10 @@ class Plan:
     def noted(self, note):
         return dataclasses.replace(self, notes=(*self.notes, note))
 
+    @property
+    def forms(self):
+        return " + ".join(part.name for part in (self.block, self.sizing, self.product) if part is not None)
+
 
 CONTRACTION_CHUNK = 2048  # a TPU's matrix unit sums this many float32 terms within 2 eps (see _chunked_contract)
 _LAYERS = []  # refine(plan, kernel, dim, dtype) -> plan, one for each optional layer in the file: the core's seam
@@ -235,12 +205,9 @@ _PLANS = {}  # (kernel structure, D, dtype, backend, settings) -> Plan
 
 
 def block_plan(kernel: PairKernel, dim: int, dtype=jnp.float32) -> Plan:
-    """How blocks of ``kernel`` on points of ``dim`` features and ``dtype`` are made here (traced, not run).
-
-    The only reader of ``jax.default_backend()`` (or ``BACKEND``) in this
-    file. Cached by the kernel's structure (its pytree, else its program on
-    one pair of points), D, dtype, backend and the module's settings.
-    """
+    """How blocks of ``kernel`` on points of ``dim`` features and ``dtype`` are made here (traced, not run): the
+    only reader of ``jax.default_backend()`` (or ``BACKEND``). Cached by the kernel's structure, D, dtype, backend
+    and settings."""
     backend, dtype = BACKEND or jax.default_backend(), jnp.dtype(dtype)
     key = (_structure(kernel, dim, dtype), dim, dtype, backend, _settings())
     if key not in _PLANS:
@@ -286,10 +253,8 @@ def _settings():
 
 
 def _contraction_precision():
-    """The precision of a block times the operand: JAX's default where the user has set one (by
-    ``jax_default_matmul_precision``, globally or in a ``with``), else HIGHEST. JAX's own default lets an
-    accelerator round a matrix-matrix product to bf16 (3 decimal digits on a TPU; TF32 on a GPU); HIGHEST is
-    float32 everywhere and changes nothing on a CPU."""
+    """A block times the operand at the precision the user set (``jax_default_matmul_precision``), else HIGHEST:
+    JAX's own default lets an accelerator round it to bf16 (TF32 on a GPU)."""
     return None if jax.config.jax_default_matmul_precision is not None else jax.lax.Precision.HIGHEST
 
 
@@ -299,12 +264,8 @@ def _contraction_precision():
 
 
 def _blockwise_matmul(rows_times, points, rhs_width, dtype, block, checkpoint, inputs, axis=0):
-    """``out[I] = rows_times(points[I])`` for blocks I of ``block`` (<= len(points)) points.
-
-    ``rows_times(p)`` is the product of K's rows at the points p with the
-    operand, [len(p), rhs_width]; with ``axis`` 1 it is held transposed,
-    [rhs_width, len(p)], and so is out. ``inputs`` are the arrays it depends on.
-    """
+    """``out[I] = rows_times(points[I])``, K's rows at the points times the operand [len(I), rhs_width] (with
+    ``axis`` 1 transposed, as out is), for blocks I of ``block`` points; ``inputs``: the arrays it depends on."""
     n = points.shape[0]
     if checkpoint:
         rows_times = jax.checkpoint(rows_times, prevent_cse=False)
@@ -314,10 +275,8 @@ def _blockwise_matmul(rows_times, points, rhs_width, dtype, block, checkpoint, i
         rows = jax.lax.dynamic_slice_in_dim(points, start, block)
         return jax.lax.dynamic_update_slice_in_dim(out, rows_times(rows), start, axis=axis)
 
-    # Every block has the same size, so that no separate remainder block runs
-    # beside the loop (XLA would keep both alive: almost twice the peak). The
-    # rows the last block shares with the one before are computed and written
-    # twice, with the same values.
+    # Every block has one size, so that no remainder block runs beside the loop (XLA would keep both alive): the
+    # rows the last block shares with the one before are computed twice, with the same values.
     out = _zeros_varying_like((n, rhs_width)[:: 1 - 2 * axis], dtype, inputs)
     return jax.lax.fori_loop(0, -(-n // block), body, out) if n else out
 
@@ -331,14 +290,9 @@ def _contract(a, b, plan, width):
 
 
 def _chunked_contract(a, b, chunk, precision):
-    """``a @ b`` as one product per ``chunk`` of the n terms, whose results the vector unit adds: a TPU v5e's matrix
-    unit rounds a long float32 sum toward zero, by 90 eps of the scale at N = 65536 (2 eps at N = 2048).
-
-    The terms are padded to whole chunks with zeros. The optimization barriers keep XLA from folding the chunks'
-    sum back into one product, and the block whole: fused into the product, a written-out block whose kernel's
-    arrays are inputs (under ``grad`` in them, say) took XLA:TPU 17.8 GB of temporaries. Holding the block whole
-    costs K @ X (16 columns, N = 65536, TPU v5e) 1.78x the time at D = 3, 1.26x at 16.
-    """
+    """``a @ b`` as one product per ``chunk`` of n (zero-padded), added on the vector unit: a TPU v5e's matrix
+    unit rounds a long float32 sum toward zero (90 eps at N = 65536). The barriers keep the chunks from folding
+    back into one product, and the block whole (fused into it, a block took XLA:TPU 17.8 GB under ``grad``)."""
     (rows, n), cols = a.shape, b.shape[1]
     pad = -n % chunk
     a, b = jax.lax.optimization_barrier(
@@ -384,9 +338,8 @@ def _product(op, rhs, dtype, block):
 
 
 def _columns_product(op, lhs, dtype, block):
-    """``K.T @ lhs.T`` for K = ``kernel.cross_covariance(x2, x1)``: ``lhs @ K`` by blocks of K's columns, each as
-    the kernel gives it, ``lhs`` [width, len(x2)] times it at columns of the result (transposing blocks, or
-    contracting them along their rows, took XLA:CPU 2x-7x the time of ``K @ X``)."""
+    """``K.T @ lhs.T`` for K = ``kernel.cross_covariance(x2, x1)``: ``lhs @ K`` by blocks of K's columns as the
+    kernel gives them, ``lhs`` [width, len(x2)] times each at columns of the result (XLA:CPU transposed blocks)."""
     cols, width = jnp.asarray(op.x2), lhs.shape[0]
 
     def columns_times(points):
@@ -411,17 +364,10 @@ class Measurement(NamedTuple):
 
 @jax.tree_util.register_pytree_node_class
 class LazyKernel:
-    """The kernel matrix ``K[i, j] = kernel(x1[i], x2[j])``, shape [M, N], never stored whole.
-
-    Supports ``K @ X`` and ``X @ K`` with NumPy's matmul rules (1-D, 2-D and
-    batched operands), ``.T``, ``.to_dense()`` and ``.diagonal()``. It is a
-    pytree: its arrays (x1, x2 and the kernel's array leaves) are the leaves,
-    so it passes through ``jax.jit``, ``jax.grad`` and ``jax.vmap``.
-
-    ``max_memory_mb`` is the budget for the blocks; ``batch_size`` fixes the
-    rows (or columns) per block instead. ``checkpoint=True`` recomputes
-    blocks in the backward pass rather than storing them.
-    """
+    """The kernel matrix ``K[i, j] = kernel(x1[i], x2[j])``, [M, N], never stored whole: ``K @ X`` and ``X @ K``
+    (NumPy's matmul rules), ``.T``, ``.to_dense()``, ``.diagonal()``; a pytree of x1, x2 and the kernel's arrays.
+    ``max_memory_mb`` bounds the blocks' memory, or ``batch_size`` fixes their rows; ``checkpoint=True``
+    recomputes blocks in the backward pass rather than storing them."""
 
     __array_ufunc__ = None  # NumPy arrays on the left defer to __rmatmul__
 
@@ -541,18 +487,11 @@ class LazyKernel:
         return self.T.block_rows
 
     def measure(self, width: int = 1, wrt: tuple[str, ...] = ()) -> Measurement:
-        """The block for ``K @ X`` (X [N, width]) and XLA's temporaries there, measured once and cached.
-
-        ``wrt``: the reverse-mode gradient of the product with respect to some
-        of "kernel" (its arrays and the tracers it closes over), "x1", "x2" and
-        "operand" instead. With ``checkpoint=True`` each gradient has its own
-        block; with ``checkpoint=False`` it runs at the product's block and
-        stores every block, so ``peak_mb`` is what it stores, over ``limit_mb``
-        at any size worth a budget. Else ``peak_mb <= limit_mb`` unless a
-        warning said that one row does not fit. With a given ``batch_size`` the
-        block is that one and ``limit_mb`` nan. For ``X @ K`` ask
-        ``K.T.measure(width, wrt)``.
-        """
+        """The block for ``K @ X`` (X [N, width]) and XLA's temporaries there (``peak_mb <= limit_mb`` unless a
+        warning said one row does not fit; with ``batch_size`` given, that block and ``limit_mb`` nan). ``wrt``:
+        instead its reverse-mode gradient in some of "kernel" (its arrays and the tracers it closes over), "x1",
+        "x2", "operand", at its own block, or without ``checkpoint`` what it stores at the product's block (over
+        the limit). For ``X @ K``, ``K.T.measure(width, wrt)``."""
         if not set(wrt) <= {"kernel", "x1", "x2", "operand"}:
             raise ValueError(f'wrt names some of "kernel", "x1", "x2", "operand"; got {wrt!r}')
         if self.plan.sizing is None:
@@ -585,12 +524,11 @@ class LazyKernel:
         plan = self.plan
         known = plan.sizing and plan.sizing.measure(self, 1, cached_only=True)
         measured = f", block_rows={known.rows}, peak_mb={known.peak_mb:.3g}" if known else ""
-        forms = " + ".join(part.name for part in (plan.block, plan.sizing, plan.product) if part is not None)
         return (
             f"LazyKernel({self.kernel!r}, shape={self.shape}, dtype={self.dtype}, "
             f"max_memory_mb={self.max_memory_mb}, batch_size={self.batch_size}, checkpoint={self.checkpoint}, "
             f"batch_size_row={self.batch_size_row}, batch_size_col={self.batch_size_col}{measured}, "
-            f"form={forms!r}" + (f", notes={plan.notes!r}" if plan.notes else "") + ")"
+            f"form={plan.forms!r}" + (f", notes={plan.notes!r}" if plan.notes else "") + ")"
         )
 
     # -- pytree --------------------------------------------------------------
@@ -639,14 +577,11 @@ def _warn_on_derivative(primals, tangents):
 # --------------------------------------------------------------------------
 
 
-# Points N(5, 1) and lengthscale sqrt(D) keep |x - y|^2 / lengthscale^2 near 2 at every D: no K underflows. The
-# operands are mostly positive (uniform on [-0.25, 1)), so that a relative error of K shows almost whole in a
-# product. Each result is compared with NumPy float64 on ``--check`` rows (columns for ``w @ K``), relative to its
-# scale (|K| |v|), and passes within the contract: 16 eps plus 4x the error of the vmap form (the kernel on each
-# pair on this device, summed elementwise). The vmap form must be within what float arithmetic allows: each K
-# within ((D + 8) z / 2 + EXP_ULPS) eps of the truth, z = |x - y|^2 / lengthscale^2 (the feature sum's D - 1
-# roundings and 9 for the difference, scaling and squares, carried through exp; and exp's own error). Every device
-# runs the whole check (one program, replicated), and is judged on its own.
+# Points N(5, 1) at lengthscale sqrt(D) keep d^2 near 2 at every D, and the operands mostly positive, so that K's
+# relative error shows whole in a product. Each result is compared with NumPy float64 on ``--check`` rows (columns
+# for ``w @ K``) relative to its scale (|K| |v|), within 16 eps plus 4x the vmap form's error (the kernel on each
+# pair on this device, summed elementwise), which must be within ((D + 8) z / 2 + EXP_ULPS) eps of each K (the
+# feature sum's roundings and 9 more, through exp; and exp's own). Every device runs the whole check on its own.
 
 EXP_ULPS = {"float32": 256, "float64": 2048}  # exp's error allowed: a TPU v5e's errs up to 116 ulp, past 256 in float64
 SANITY_CONTRACT_EPS = 16  # the operator's contract: 16 eps of the scale plus 4x the vmap form's error
@@ -699,25 +634,16 @@ def _on_every_device(f, devices):
     stacked = lambda *args: jax.tree_util.tree_map(lambda out: out[None], f(*args))  # noqa: E731
     if len(devices) == 1:
         return jax.jit(stacked)
-    from jax.sharding import Mesh
-    from jax.sharding import PartitionSpec as P
-
-    mesh = Mesh(np.array(devices), ("devices",))
-    return jax.jit(_shard_map()(stacked, mesh=mesh, in_specs=P(), out_specs=P("devices")))
-
-
-def _shard_map():
-    """``jax.shard_map``, or its older home in ``jax.experimental``."""
-    if hasattr(jax, "shard_map"):
-        return jax.shard_map
-    from jax.experimental.shard_map import shard_map
-
-    return shard_map
+    shard_map = getattr(jax, "shard_map", None)
+    if shard_map is None:  # JAX 0.4: its home was jax.experimental
+        from jax.experimental.shard_map import shard_map
+    mesh, specs = jax.sharding.Mesh(np.array(devices), ("devices",)), jax.sharding.PartitionSpec
+    return jax.jit(shard_map(stacked, mesh=mesh, in_specs=specs(), out_specs=specs("devices")))
 
 
 def _compiled(calls):
-    """Each ``(jitted function, arguments)`` traced here, then all compiled at once in threads (XLA compiles
-    without Python's lock): compiling one at a time took most of a TPU v5e's check in float64 (79 s at D = 64)."""
+    """Each ``(jitted function, arguments)`` traced here, then all compiled at once in threads: XLA compiles
+    without Python's lock."""
     lowered = [f.lower(*f_args) for f, f_args in calls]
     with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
         return list(pool.map(lambda program: program.compile(), lowered))
@@ -725,8 +651,7 @@ def _compiled(calls):
 
 def _timed(f, *args, repeats=3):
     """``f(*args)`` (its first run) and the median seconds of ``repeats`` more."""
-    result = jax.block_until_ready(f(*args))
-    times = []
+    result, times = jax.block_until_ready(f(*args)), []
     for _ in range(repeats):
         start = time.perf_counter()
         jax.block_until_ready(f(*args))
@@ -734,7 +659,7 @@ def _timed(f, *args, repeats=3):
     return result, float(np.median(times))
 
 
-def _vmap_form(kernel, x1, x2, rows, cols, v, w, operand):
+def _vmap_form(kernel, rows, x1, x2, v, w, operand):
     """The reference on this device: for each checked row, K's row by vmapping the pair call, its products with v
     and ``operand`` and its row of the gradient of w.(K @ v) in x1; for each checked column, w @ K's entry; in the
     order of ``_check``'s cases. Sums elementwise, a row at a time: no matrix unit, no [rows, N, D] array."""
@@ -747,11 +672,7 @@ def _vmap_form(kernel, x1, x2, rows, cols, v, w, operand):
 
     column = lambda j: jnp.sum(w * jax.vmap(kernel, (0, None))(x1, x2[j]))  # noqa: E731
     k, k_v, k_operand, gradient = jax.lax.map(row, rows)
-    return k, k_v, k_operand, jax.lax.map(column, cols), gradient
-
-
-def _named(device):
-    return f"device {device.id} ({device.device_kind})"
+    return k, k_v, k_operand, jax.lax.map(column, rows), gradient
 
 
 def _relative_errors(got, want, scale):
@@ -782,32 +703,22 @@ def _check(dim, devices, args):
     def loss(x1, x2, v, w):
         return jnp.vdot(w, lazy(x1, x2, args.checkpoint) @ v)
 
-    cases = {  # name: (function of x1 x2 operand, its operand's name)
-        "K @ v": (lambda x1, x2, v: (lazy(x1, x2) @ v)[rows], "v"),
-        f"K @ X ({args.width} columns)": (lambda x1, x2, wide: (lazy(x1, x2) @ wide)[rows], "wide"),
-        "w @ K": (lambda x1, x2, w: (w @ lazy(x1, x2))[rows], "w"),
-        "grad_x1 w.(K @ v)": (lambda x1, x2, v, w: jax.grad(loss)(x1, x2, v, w)[rows], "v w"),
+    cases = {  # name: its value at the rows checked, a function of (x1, x2, v, w, wide)
+        "K @ v": lambda x1, x2, v, w, wide: (lazy(x1, x2) @ v)[rows],
+        f"K @ X ({args.width} columns)": lambda x1, x2, v, w, wide: (lazy(x1, x2) @ wide)[rows],
+        "w @ K": lambda x1, x2, v, w, wide: (w @ lazy(x1, x2))[rows],
+        "grad_x1 w.(K @ v)": lambda x1, x2, v, w, wide: jax.grad(loss)(x1, x2, v, w)[rows],
     }
     op = LazyKernel(kernel, jnp.asarray(x1), jnp.asarray(x2), **settings)
-    plan = block_plan(kernel, dim, dtype)
-    forms = " + ".join(part.name for part in (plan.block, plan.sizing, plan.product) if part is not None)
+    forms = block_plan(kernel, dim, dtype).forms
     print(f"\nD = {dim}: K {n} x {n}, {dtype}, RBF(lengthscale sqrt(D), variance 1.3), points N(5, 1); form: {forms}")
     given = " (given: float64 off the CPU)" if batch_size != args.batch_size else ""
     print(f"blocks used: {op.block_rows} rows of {n} in K @ v, {op.block_cols} columns in w @ K{given}")
 
-    arrays = dict(zip(("x1", "x2", "v", "w", "wide"), map(jnp.asarray, (x1, x2, v, w, wide)), strict=True))
-    calls = [
-        (
-            _on_every_device(functools.partial(_vmap_form, kernel), devices),
-            [arrays["x1"], arrays["x2"], rows, rows, arrays["v"], arrays["w"], arrays["wide"]],
-        ),
-        *(
-            (_on_every_device(f, devices), [arrays["x1"], arrays["x2"], *(arrays[a] for a in names.split())])
-            for f, names in cases.values()
-        ),
-    ]
-    vmap_form, *compiled = _compiled(calls)
-    k_vmap, *vmap_results = (np.asarray(a, np.float64) for a in vmap_form(*calls[0][1]))
+    arrays = list(map(jnp.asarray, (x1, x2, v, w, wide)))
+    programs = (functools.partial(_vmap_form, kernel, rows), *cases.values())
+    vmap_form, *compiled = _compiled([(_on_every_device(f, devices), arrays) for f in programs])
+    k_vmap, *vmap_results = (np.asarray(a, np.float64) for a in vmap_form(*arrays))
 
     x1, x2, v, w, wide = (np.asarray(a, np.float64) for a in (x1, x2, v, w, wide))
     k_rows, z = _rbf_numpy(x1[rows], x2, lengthscale, variance)  # K[rows, :]
@@ -825,16 +736,11 @@ def _check(dim, devices, args):
     kernel_errors = np.max(np.abs(k_vmap - k_rows) / (k_rows * allowed), axis=(1, 2))
     print(f"{'kernel values, vmap form':>26}: {kernel_errors.max():.2f} of the error float arithmetic allows", end=" ")
     print("ok" if kernel_errors.max() <= 1 else "FAIL")
-    failures = [
-        f"D = {dim}: the kernel's values err {e:.3g}x what float arithmetic allows on {_named(devices[i])}: "
-        "exp or arithmetic"
-        for i, e in enumerate(kernel_errors)
-        if e > 1
-    ]
-    for name, f, (_, f_args), vmapped, (want, scale) in zip(
-        cases, compiled, calls[1:], vmap_results, truths, strict=True
-    ):
-        result, seconds = _timed(f, *f_args)
+    named = [f"device {d.id} ({d.device_kind})" for d in devices]
+    wrong = "the kernel's values err {:.3g}x what float arithmetic allows (exp or arithmetic)"
+    failures = [f"D = {dim}: {wrong.format(e)} on {named[i]}" for i, e in enumerate(kernel_errors) if e > 1]
+    for name, f, vmapped, (want, scale) in zip(cases, compiled, vmap_results, truths, strict=True):
+        result, seconds = _timed(f, *arrays)
         errors, vmap_errors = _relative_errors(result, want, scale), _relative_errors(vmapped, want, scale)
         tolerances = SANITY_CONTRACT_EPS * eps + 4 * vmap_errors
         worst = int(np.argmax(errors / tolerances))
@@ -844,7 +750,7 @@ def _check(dim, devices, args):
             + ("ok" if np.all(errors <= tolerances) else "FAIL")
         )
         failures += [
-            f"D = {dim}: {name} ({e / t:.3g}x the contract) on {_named(devices[i])}"
+            f"D = {dim}: {name} ({e / t:.3g}x the contract) on {named[i]}"
             for i, (e, t) in enumerate(zip(errors, tolerances, strict=True))
             if e > t
         ]
@@ -865,20 +771,13 @@ def _dims(text):
 def _parse(argv):
     parser = argparse.ArgumentParser(description="Check LazyKernel on this machine against dense NumPy rows.")
     parser.add_argument("--platform", choices=["cpu", "gpu", "tpu"], help="fail unless JAX runs there")
-    parser.add_argument(
-        "--n", type=int, help="points in x1 and in x2 (M = N); 16384 on CPU, 65536 on an accelerator (4096 in float64)"
-    )
+    parser.add_argument("--n", type=int, help="points in x1 and x2; 16384 on CPU, 65536 off it (float64: 4096)")
     parser.add_argument("--dim", type=_dims, default=CHECK_DIMS, help="features per point, or a list: 3,16,128")
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     parser.add_argument("--width", type=int, default=16, help="columns of X in K @ X")
     parser.add_argument("--max-memory-mb", type=float, default=2**10, help="budget for the blocks")
-    parser.add_argument(
-        "--batch-size",
-        type=int,
-        help=f"rows/columns per block; measured, but {FLOAT64_ACCELERATOR_BATCH} in float64 off the CPU",
-    )
-    checkpoint = argparse.BooleanOptionalAction
-    parser.add_argument("--checkpoint", action=checkpoint, default=True, help="checkpoint the gradient's blocks")
+    parser.add_argument("--batch-size", type=int, help="rows per block; else measured (float64 off the CPU: 512)")
+    parser.add_argument("--checkpoint", action=argparse.BooleanOptionalAction, default=True, help="in the gradient")
     parser.add_argument("--check", type=int, default=64, help="rows and columns compared with NumPy")
     args = parser.parse_args(argv)
     for name in ("n", "width", "batch_size", "check"):
@@ -902,13 +801,8 @@ def main(argv=None) -> int:
     print(f"platform: {devices[0].platform}, {len(devices)} x {kinds}; jax {jax.__version__}")
     print(f"each device runs the whole check; budget {args.max_memory_mb:g} MB; D = {', '.join(map(str, args.dim))}")
     failures = [failure for dim in args.dim for failure in _check(dim, devices, args)]
-    if failures:
-        print(
-            f"FAIL: {'; '.join(failures)}. The contract: {SANITY_CONTRACT_EPS} eps + 4x the vmap form's error; a "
-            "product rounded to bf16 errs about 1e-3"
-        )
-    else:
-        print("PASS")
+    contract = f"the contract: {SANITY_CONTRACT_EPS} eps + 4x the vmap form's error; a bf16 product errs about 1e-3"
+    print(f"FAIL: {'; '.join(failures)}. {contract}" if failures else "PASS")
     return 1 if failures else 0
 
 
@@ -2114,18 +2008,18 @@ _LAYERS.append(_measured_blocks_plan)
 # d^2. K moves by |tail'| times that, and lambda bounds |tail' / tail| (taken in float64 at d^2 from 0 to 64).
 # The rule vouches where, for every d, this bound is within the contract (16 eps of K plus 4x the direct sum's):
 # lambda rho^2 (1 + 1 / kappa) <= 16 eps, with kappa = (4 (D + n + 1) - (G + 2 n + 3)) u. A product takes the
-# fewest digits vouched for (RBF: 3 where |s| R <= 4, 4 where |s| R <= 1024). Elsewhere today's form runs, as it
+# fewest digits vouched for (RBF: 3 where |s| R <= 4, 4 where |s| R <= 1024). Elsewhere the unfused form runs, as it
 # does where the columns' digits would take more than half of max_memory_mb.
 # Which kernels, D and chips the form takes is the plan's (_fused_refuses); which digits, the data's.
 #
 # Derivatives: the product is a primitive of its own (_fused_primitives). Forward mode, and anything of second
-# order, is today's form's. Reverse mode of K @ v (one operand column) runs a second Pallas kernel per block
+# order, is the unfused form's. Reverse mode of K @ v (one operand column) runs a second Pallas kernel per block
 # (_fused_backward_kernel): d^2 as above gives K, tail' and the tail's constants' cotangents; the points'
 # cotangents sum C tail' 2 s^2 (x_i - y_j) per feature on the vector unit, the differences taken pair by pair
 # (nothing cancels). The cotangent of s^2, sum C tail' |x - y|^2, is the grid's d^2 corrected by the grid's moves
 # against the points' cotangents; where pairs nearer than the grid's step carry its weight, a second pass sums the
 # differences' squares (_fused_cotangents). It runs where the rule vouches with lambda bounding |tail'' / tail'|
-# too, up to D = FUSED_BACKWARD_FEATURES_MAX; elsewhere, and for wider operands, today's form's vjp.
+# too, up to D = FUSED_BACKWARD_FEATURES_MAX; elsewhere, and for wider operands, the unfused form's vjp.
 
 FUSED_PRODUCT = True  # False: no block's product is fused on a TPU
 FUSED_FEATURES_MIN = 16  # on a TPU, the fused product from here: at D = 3 the unfused form took 0.24x its time

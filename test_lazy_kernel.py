@@ -2098,7 +2098,7 @@ def test_accelerators_blocks_as_accurate_as_the_vmap_form(name, dim, x64, monkey
         assert_as_accurate_on_accuracy_data(name, dim, jnp.float32, x64)
 
 
-# -- layer 7: exact squared distances on a TPU's matrix unit, fused with the product ------------------------------
+# -- the fused TPU layer: exact squared distances on a TPU's matrix unit, fused with the product -----------------
 
 FUSED_ON_CPU = pytest.mark.skipif(lazy_kernel._pallas() is None or JAX_VERSION < (0, 8), reason="no Pallas TPU here")
 
@@ -2960,7 +2960,9 @@ def check_sharded():
     from jax.sharding import PartitionSpec as P
 
     jax.config.update("jax_enable_x64", True)
-    shard_map = lazy_kernel._shard_map()
+    shard_map = getattr(jax, "shard_map", None)
+    if shard_map is None:  # JAX 0.4: its home was jax.experimental
+        from jax.experimental.shard_map import shard_map
     mesh = Mesh(np.array(jax.devices()), ("d",))
     count = len(jax.devices())
     rng = np.random.default_rng(0)  # the same data in every process
