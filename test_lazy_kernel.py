@@ -2424,6 +2424,7 @@ def test_fused_gradients_on_real_data(real_set, monkeypatch):
         assert_fused_gradients_as_accurate("rbf-module", {real_set: x}, ls, rng)
 
 
+@SLOW
 @FUSED_ON_CPU
 def test_fused_derivatives_match_the_vmap_form(monkeypatch):
     """The fused primitive's rules (a TPU faked, Pallas interpreted), under jit, within the contract against the
@@ -2534,7 +2535,7 @@ def grid_shapes(f, *args):
 
 
 @FUSED_ON_CPU
-@pytest.mark.parametrize("width", [1, 5])
+@pytest.mark.parametrize("width", [1, pytest.param(5, marks=SLOW)])
 def test_fused_forms_over_several_tiles(width, monkeypatch):
     """With tiles of 32 x 128 pairs, a block of 64 rows against 300 columns is 2 x 3 tiles: K @ X, X @ K and (one
     column) the fused backward's gradient in the lengthscale, x1, x2 and v, against NumPy float64 within the
@@ -2576,12 +2577,12 @@ def rule_reach(sensitivity, digits, ls, dim, steps):
 
 # (kernel, digits, the backward's limit?, the side of it the points reach): a default few, the rest slow
 FUSED_LIMITS = [
-    ("gpjax-Matern52", 3, False, "inside"),
     ("gpjax-Matern52", 3, True, "outside"),
     ("rbf-module", 4, False, "outside"),
     *(
         pytest.param(*case, marks=SLOW)
         for case in [
+            ("gpjax-Matern52", 3, False, "inside"),
             ("rbf-module", 3, False, "inside"),
             ("rbf-module", 3, False, "outside"),
             ("rbf-module", 4, False, "inside"),
@@ -2762,6 +2763,7 @@ def users_precision():
     jax.config.update("jax_default_matmul_precision", "highest")
 
 
+@SLOW
 @pytest.mark.accelerator
 def test_sanity_check_passes(capsys, device, users_precision):
     """At each of CHECK_DIMS (the forms the plan picks), on the platform JAX runs on, asked for by name."""
@@ -3174,7 +3176,7 @@ print("core oracle passed;", type(plan.block).__name__, type(plan.sizing).__name
 @pytest.mark.usefixtures("cpu_only")
 @pytest.mark.parametrize(
     "names",
-    [("pair program", "measured blocks", "fused TPU product")]
+    [pytest.param(("pair program", "measured blocks", "fused TPU product"), marks=SLOW)]
     + [
         pytest.param((name, *(n for n, needs in LAYER_NEEDS.items() if name in needs)), marks=SLOW)
         for name in LAYER_NEEDS
