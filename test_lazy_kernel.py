@@ -2309,6 +2309,21 @@ def test_which_kernels_the_fused_form_takes(name, backend, monkeypatch):
 
 
 @FUSED_ON_CPU
+def test_fused_form_asks_the_chip_for_its_vmem(monkeypatch):
+    """On a TPU (JAX's own, not faked), the fused form runs where the chip's VMEM holds what its kernels ask for
+    (FUSED_TILES.vmem_limit_bytes, tested on a v5e's 128 MiB); on a chip with less, or one JAX cannot name, the
+    plan says why and the product is the pair program's."""
+    monkeypatch.setattr(lazy_kernel.jax, "default_backend", lambda: "tpu")
+    for vmem, fused in ((128 * 2**20, True), (64 * 2**20, False), (0, False)):
+        monkeypatch.setattr(lazy_kernel, "_vmem_bytes", lambda vmem=vmem: vmem)
+        monkeypatch.setattr(lazy_kernel, "_PLANS", {})  # plans are cached by backend: one chip a process
+        plan = lazy_kernel.block_plan(RBF(jnp.float32(2.0)), 16)
+        assert isinstance(plan.product, lazy_kernel.FusedProduct) == fused, plan.notes
+        assert fused or any("VMEM" in note for note in plan.notes), plan.notes
+        assert fused or isinstance(plan.block, lazy_kernel.PairProgramForm)
+
+
+@FUSED_ON_CPU
 @pytest.mark.parametrize(
     "dim, width, count",
     [(16, 1, 3), *(pytest.param(*c, marks=SLOW) for c in [(16, 1, 4), (64, 64, 4), (128, 5, 3), (128, 5, 4)])],
