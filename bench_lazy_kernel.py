@@ -642,7 +642,8 @@ def fused_table(n, gpjax, dims=(3, 16, 32, 64, 128, 256)):
 
 def fused_gradient_table(n, gpjax):
     """Off the CPU: the checkpointed gradient of sum(sin(K @ v)) in (lengthscale, points, v) at one scalar
-    lengthscale, fused where the fused layer takes it, against the same RBF with FUSED_PRODUCT off and the GEMM RBF, by D."""
+    lengthscale, fused where the fused layer takes it, against the same RBF with FUSED_PRODUCT off and the GEMM RBF,
+    by D."""
     print(f"\n## Fused gradients , lengthscale sqrt(D / 3), float32, M = N = {n}: ms, ratios to the GEMM's\n")
     names = ["inexact GEMM RBF", "lazy_kernel.RBF", "RBF, FUSED_PRODUCT off"] + ["GPJax Matern52"] * (gpjax is not None)
     print(f"| D | {' | '.join(names)} |")
@@ -670,7 +671,16 @@ def machine():
 
 
 CPU_TABLES = dict(  # what a run without flags makes: every table but the accelerator ones
-    kernels=8192, first_use=3000, split=8192, blocks=16384, sides=8192, real=True, gemm=8192, wide=8192, chunks=8192, precision=8192
+    kernels=8192,
+    first_use=3000,
+    split=8192,
+    blocks=16384,
+    sides=8192,
+    real=True,
+    gemm=8192,
+    wide=8192,
+    chunks=8192,
+    precision=8192,
 )
 
 

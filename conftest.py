@@ -63,7 +63,7 @@ if {"env_options_overrides", "backend"} <= set(_parameters):
 settings.register_profile(
     "ci",
     derandomize=True,
-    max_examples=12,
+    max_examples=8,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )

@@ -33,6 +33,7 @@ import dataclasses
 import enum
 import functools
 import glob
+import hashlib
 import math
 import numbers
 import os
@@ -209,15 +210,18 @@ def block_plan(kernel: PairKernel, dim: int, dtype=jnp.float32) -> Plan:
     only reader of ``jax.default_backend()`` (or ``BACKEND``). Cached by the kernel's structure, D, dtype, backend
     and settings."""
     backend, dtype = BACKEND or jax.default_backend(), jnp.dtype(dtype)
-    key = (_structure(kernel, dim, dtype), dim, dtype, backend, _settings())
-    if key not in _PLANS:
-        chunked = backend != "cpu" and hasattr(jax.lax, "optimization_barrier")  # JAX 0.4.31 on
-        own = CrossCovarianceForm() if hasattr(kernel, "cross_covariance") else VmapForm()
-        plan = Plan(backend, own, CONTRACTION_CHUNK if chunked else None, _contraction_precision())
-        for refine in _LAYERS:
-            plan = refine(plan, kernel, dim, dtype)
+    structure = _structure(kernel, dim, dtype)
+    key = (structure, dim, dtype, backend, _settings())
+    if structure is not None and key in _PLANS:
+        return _PLANS[key]
+    chunked = backend != "cpu" and hasattr(jax.lax, "optimization_barrier")  # JAX 0.4.31 on
+    own = CrossCovarianceForm() if hasattr(kernel, "cross_covariance") else VmapForm()
+    plan = Plan(backend, own, CONTRACTION_CHUNK if chunked else None, _contraction_precision())
+    for refine in _LAYERS:
+        plan = refine(plan, kernel, dim, dtype)
+    if structure is not None:
         _PLANS[key] = plan
-    return _PLANS[key]
+    return plan
 
 
 def block_evaluation(kernel: PairKernel, dim: int, dtype=jnp.float32) -> str:
@@ -228,7 +232,7 @@ def block_evaluation(kernel: PairKernel, dim: int, dtype=jnp.float32) -> str:
 
 def _structure(kernel, dim, dtype):
     """What a plan of ``kernel`` depends on: its pytree and its leaves' types where they are all arrays, else its
-    program (and its cross_covariance's) on abstract points."""
+    program (and its cross_covariance's) on abstract points, with its constants; None where it holds tracers."""
     leaves, treedef = jax.tree_util.tree_flatten(kernel)
     if all(map(_is_array, leaves)):
         structure = (treedef, tuple((jnp.shape(a), jnp.result_type(a), getattr(a, "weak_type", False)) for a in leaves))
@@ -241,7 +245,11 @@ def _structure(kernel, dim, dtype):
     programs = [jax.make_jaxpr(lambda x, y: kernel(x, y))(point, point)]
     if hasattr(kernel, "cross_covariance"):
         programs.append(jax.make_jaxpr(kernel.cross_covariance)(*_probe_blocks(dim, dtype)))
-    return tuple(map(str, programs))
+    consts = [np.asarray(c) for p in programs for c in p.consts if not isinstance(c, jax.core.Tracer)]
+    if len(consts) < sum(len(p.consts) for p in programs):
+        return None  # it holds values being traced: planned on each call, as their identity may matter
+    values = tuple((c.dtype, c.shape, hashlib.blake2b(c.tobytes()).digest()) for c in consts)
+    return (*map(str, programs), values)  # the programs' text omits their constants' values
 
 
 def _settings():
@@ -635,8 +643,10 @@ def _on_every_device(f, devices):
     if len(devices) == 1:
         return jax.jit(stacked)
     shard_map = getattr(jax, "shard_map", None)
-    if shard_map is None:  # JAX 0.4: its home was jax.experimental
+    if shard_map is None:  # JAX 0.4: its home was jax.experimental, and its replication check refuses the loop
         from jax.experimental.shard_map import shard_map
+
+        shard_map = functools.partial(shard_map, check_rep=False)
     mesh, specs = jax.sharding.Mesh(np.array(devices), ("devices",)), jax.sharding.PartitionSpec
     return jax.jit(shard_map(stacked, mesh=mesh, in_specs=specs(), out_specs=specs("devices")))
 

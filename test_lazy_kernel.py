@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import importlib.util
 import inspect
+import itertools
 import os
 import re
 import socket
@@ -32,7 +33,7 @@ from hypothesis import example, given, note, settings
 from hypothesis import strategies as st
 
 import lazy_kernel
-from conftest import as_users_compile
+from conftest import _cheap_cpu_options, as_users_compile
 from lazy_kernel import RBF, LazyKernel, kernel_block
 
 JAX_VERSION = tuple(int(part) for part in jax.__version__.split(".")[:2])
@@ -499,7 +500,7 @@ def test_result_dtype_follows_jnp_matmul(kernel_dtype, operand_dtype):
 
 @pytest.mark.accelerator
 @pytest.mark.parametrize("chunk", [lazy_kernel.CONTRACTION_CHUNK, 128])  # 128: an accelerator's chunks, padded
-@pytest.mark.parametrize("width", [1, 16, 64])
+@pytest.mark.parametrize("width", [1, pytest.param(16, marks=SLOW), 64])
 def test_products_are_float32_at_jax_default_precision(width, chunk, device, monkeypatch):
     """With JAX's matmul precision unset (a TPU then rounds a matrix-matrix product to bf16), ``K @ X`` and
     ``X @ K`` err by at most 16 eps of the scale |K| |X| against NumPy float64, beyond 4x what K's own values err
@@ -815,8 +816,9 @@ def test_measure_shows_what_reverse_mode_stores_without_checkpoint():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # differentiated without checkpoint
         peak = temp_bytes(jax.grad(loss, argnums=(0, 1)), x1, jnp.ones(n, jnp.float32))
-    # measured on the product's value and pullback, which a loss's program differs from by a little (8% here)
-    assert stored.peak_mb * 2**20 == pytest.approx(peak, rel=0.15), (stored, peak)
+    # measured on the product's value and pullback, which hold a little more than a loss's program (8% more with
+    # JAX 0.10, 25% with JAX 0.4.30): never less
+    assert peak <= stored.peak_mb * 2**20 <= 1.3 * peak, (stored, peak)
 
 
 def gaussian_pair(x, y):
@@ -844,18 +846,17 @@ def memory_kernel(name, dim):
     return gpjax.kernels.Matern52(lengthscale=jnp.float32(0.7))
 
 
-# (kernel, D): every kind, D from 1 to 256; the pair program split (D <= 2), looped (partial-17), by the float64
-# GEMM (16), by GEMM (128)
+# (kernel, D): every kind, D from 1 to 256; the pair program split (D <= 2), looped by the float64 GEMM
+# (partial-17), by the GEMM (128, 256)
 ON_ACCELERATORS = pytest.mark.accelerator  # in the accelerator subset
 MEMORY_CASES = [
     ("pair", 1),
-    pytest.param("pair", 16, marks=SLOW),
     pytest.param("pair", 128, marks=[ON_ACCELERATORS, SLOW]),
     *[pytest.param("partial", d, marks=[ON_ACCELERATORS, SLOW]) for d in (17, 256)],
     pytest.param("many", 2, marks=ON_ACCELERATORS),
     pytest.param("rbf", 2, marks=ON_ACCELERATORS),
-    pytest.param("gpjax-rbf", 64, marks=ON_ACCELERATORS),
-    ("gpjax-matern52", 1),
+    pytest.param("gpjax-rbf", 64, marks=[ON_ACCELERATORS, SLOW]),
+    pytest.param("gpjax-matern52", 1, marks=SLOW),
 ]
 
 
@@ -865,8 +866,8 @@ def test_budget_bounds_the_peak(kernel_name, dim, device):
     alone, and every input's (x2's cotangent is summed over the blocks)."""
     # no block divides M or N; the budget holds a few blocks of the fastest size, so that the block must shrink (a
     # TPU pads each block to whole tiles: one row of a [307, 211] gradient needed 0.37 MiB there)
-    if device.platform == "cpu" and kernel_name == "rbf":
-        pytest.skip("on CPU, RBF at D = 2 takes pair-1's form (tested); an accelerator's subset has it")
+    if device.platform == "cpu" and (kernel_name, dim) in (("rbf", 2), ("partial", 256), ("gpjax-rbf", 64)):
+        pytest.skip("on CPU, this takes the form of pair-1, pair-128 or partial-17 (tested); an accelerator's has it")
     m, n, budget_mb = (307, 211, 0.25) if device.platform == "cpu" else (3001, 2011, 4)
     rng = np.random.default_rng(14)
     x1, x2 = points(rng, m, dim, jnp.float32), points(rng, n, dim, jnp.float32)
@@ -1530,6 +1531,31 @@ def test_which_path_blocks_take(backend, monkeypatch):
     assert lazy_kernel.block_evaluation(jitted, few) == "cross_covariance"
 
 
+def test_kernels_that_differ_only_in_a_constant_get_their_own_plans(device):
+    """The plans' cache tells apart two kernels (not pytrees) whose programs print alike and differ in a closed-over
+    constant: one's cross_covariance is the vmap form (the pair program may stand in for it), the other's is not,
+    and its products are its own, against NumPy."""
+    dim, x = 4, jnp.asarray(np.random.default_rng(0).normal(size=(9, 4)), jnp.float32)
+    scales, other = jnp.arange(1.0, 1.0 + dim), jnp.arange(5.0, 5.0 + dim)
+
+    def make(cross_scales):
+        class Scaled:
+            def __call__(self, x, y):
+                return jnp.exp(-jnp.sum((x - y) ** 2 / scales))
+
+            def cross_covariance(self, a, b):
+                pair = lambda x, y: jnp.exp(-jnp.sum((x - y) ** 2 / cross_scales))  # noqa: E731
+                return jax.vmap(jax.vmap(pair, (None, 0)), (0, None))(a, b)
+
+        return Scaled()
+
+    assert lazy_kernel.block_evaluation(make(scales), dim) == "pair program"
+    assert lazy_kernel.block_evaluation(make(other), dim) == "cross_covariance"
+    points = np.asarray(x, np.float64)
+    oracle = np.exp(-(((points[:, None] - points[None]) ** 2) / np.asarray(other, np.float64)).sum(-1)).sum(1)
+    np.testing.assert_allclose(LazyKernel(make(other), x, x) @ jnp.ones(9, jnp.float32), oracle, rtol=1e-6)
+
+
 def test_gpjax_kernels_take_the_pair_program_without_fallbacks(device):
     gpjax = pytest.importorskip("gpjax", reason="gpjax is in the 'interop' extra")
     for kernel in (gpjax.kernels.RBF(), gpjax.kernels.Matern52(), gpjax.kernels.Periodic(), gpjax.kernels.Linear()):
@@ -1761,7 +1787,7 @@ def kernel_program(drawn):
 GENERATED_PROGRAMS = {}  # a program's text -> its jitted checks: hypothesis draws some programs more than once
 
 
-@settings(max_examples=200 if os.environ.get("CI") else 16)
+@settings(max_examples=12 if os.environ.get("CI") else 16)
 @given(
     program=kernel_programs(),
     dim=st.sampled_from([*range(1, 21), *WIDE_FEATURES]),
@@ -1955,10 +1981,10 @@ def x64_switched(on):
 
 ACCURACY_CASES = [  # (D, dtype, x64): features written out; looped; by the float64 GEMM (float32) or looped; by GEMM
     (1, jnp.float32, True),
-    pytest.param(3, jnp.float32, True, marks=ON_ACCELERATORS),
+    pytest.param(3, jnp.float32, True, marks=[ON_ACCELERATORS, SLOW]),
     *[pytest.param(dim, jnp.float64, True, marks=SLOW) for dim in (1, 3)],
     pytest.param(16, jnp.float32, True, marks=ON_ACCELERATORS),
-    pytest.param(16, jnp.float32, False, marks=ON_ACCELERATORS),
+    pytest.param(16, jnp.float32, False, marks=[ON_ACCELERATORS, SLOW]),
     pytest.param(16, jnp.float64, True, marks=SLOW),
     pytest.param(64, jnp.float32, True, marks=ON_ACCELERATORS),
     pytest.param(256, jnp.float32, True, marks=[ON_ACCELERATORS, SLOW]),
@@ -1966,8 +1992,18 @@ ACCURACY_CASES = [  # (D, dtype, x64): features written out; looped; by the floa
 ]
 
 
-@pytest.mark.parametrize("dim, dtype, x64", ACCURACY_CASES)
-@pytest.mark.parametrize("name", sorted(ACCURACY_KERNELS))
+def every_kernel_and_case(names, cases):
+    """(name, *case) for each kernel and case, but each SLOW case for every third kernel only, in turn: each kernel
+    meets a third of the slow cases, each slow case a third of the kernels."""
+    params = []
+    for i, case in enumerate(cases):
+        values, marks = (case.values, case.marks) if hasattr(case, "values") else (case, ())
+        slow = any(mark.name == "slow" for mark in marks)
+        params += [pytest.param(n, *values, marks=marks) for j, n in enumerate(names) if not slow or (i + j) % 3 == 0]
+    return params
+
+
+@pytest.mark.parametrize("name, dim, dtype, x64", every_kernel_and_case(sorted(ACCURACY_KERNELS), ACCURACY_CASES))
 def test_as_accurate_as_the_vmap_form(name, dim, dtype, x64, device):
     """Values and gradients (points, lengthscales) of ``LazyKernel`` against np.longdouble: worst error <= 4x the
     vmap form's + 16 eps of the scale (max|K|; for a gradient, the largest sum of absolute terms of one component).
@@ -2008,10 +2044,15 @@ def real_data(name):
     return getattr(datasets, f"load_{name}")().data
 
 
+# Each kernel on one set at one of the three dtype settings, both in turn: each set meets two settings or more.
+REAL_CASES = [
+    (name, REAL_SETS[i % 3], *[(jnp.float32, False), (jnp.float32, True), (jnp.float64, True)][(i + i // 3) % 3])
+    for i, name in enumerate(sorted(ACCURACY_KERNELS))
+]
+
+
 @ON_ACCELERATORS
-@pytest.mark.parametrize("dtype, x64", [(jnp.float32, True), (jnp.float32, False), (jnp.float64, True)])
-@pytest.mark.parametrize("real_set", REAL_SETS)
-@pytest.mark.parametrize("name", sorted(ACCURACY_KERNELS))
+@pytest.mark.parametrize("name, real_set, dtype, x64", REAL_CASES)
 def test_as_accurate_as_the_vmap_form_on_real_data(name, real_set, dtype, x64, device):
     """The test above on scikit-learn's bundled data sets, as they come (digits: integers, many equal; breast
     cancer: features from 1e-3 to 4e3), lengthscales each feature's spread times sqrt(D): 24 random rows, 6 of
@@ -2087,7 +2128,7 @@ ACCELERATOR_ACCURACY_CASES = [  # (D, x64): x64 off only at the GEMM; written ou
 
 
 @pytest.mark.parametrize("dim, x64", ACCELERATOR_ACCURACY_CASES)
-@pytest.mark.parametrize("name", ["rbf-module", "gpjax-Matern52", "matern12-pair"])
+@pytest.mark.parametrize("name", ["rbf-module", pytest.param("gpjax-Matern52", marks=SLOW), "matern12-pair"])
 def test_accelerators_blocks_as_accurate_as_the_vmap_form(name, dim, x64, monkeypatch):
     """The oracle test above for an accelerator's blocks (faked here), float32: at the most features written out
     (no other test checks blocks written out at D = 21 to 64 against an oracle on CPU), and at GEMM_FEATURES_MIN,
@@ -2108,6 +2149,7 @@ def integers_of(digits):
     return sum(digits[i].astype(object) * 256 ** (len(digits) - 1 - i) for i in range(len(digits)))
 
 
+@SLOW
 @FUSED_ON_CPU
 @settings(max_examples=8)
 @given(
@@ -2222,7 +2264,7 @@ def pallas_calls(jaxpr):
 @FUSED_ON_CPU
 @pytest.mark.parametrize(
     "dim, width",
-    [(16, 1), *(pytest.param(d, w, marks=SLOW) for d, w in ((16, 16), (64, 1), (128, 4), (256, 1)))],
+    [pytest.param(16, 1, marks=SLOW), pytest.param(128, 4, marks=SLOW)],  # bf16 digits, and int8
 )
 def test_fused_kernel_is_one_mosaic_takes(dim, width, monkeypatch):
     """What Mosaic compiles, the product's kernels and (one operand column) the gradient's too, is the same with x64
@@ -2326,7 +2368,7 @@ def test_fused_form_asks_the_chip_for_its_vmem(monkeypatch):
 @FUSED_ON_CPU
 @pytest.mark.parametrize(
     "dim, width, count",
-    [(16, 1, 3), *(pytest.param(*c, marks=SLOW) for c in [(16, 1, 4), (64, 64, 4), (128, 5, 3), (128, 5, 4)])],
+    [(16, 1, 3), *(pytest.param(*c, marks=SLOW) for c in [(64, 64, 4), (128, 5, 3)])],
 )
 def test_fused_products_match_numpy(dim, width, count, monkeypatch):
     """K @ X and X @ K by the fused form of ``count`` digits (Pallas interpreted here) against NumPy float64 on
@@ -2354,7 +2396,8 @@ def test_fused_products_match_numpy(dim, width, count, monkeypatch):
 
 @FUSED_ON_CPU
 @pytest.mark.parametrize(
-    "name, dim", [("rbf-module", 16), ("gpjax-Matern52", 16), pytest.param("rbf-module", 64, marks=SLOW)]
+    "name, dim",
+    [("rbf-module", 16), pytest.param("gpjax-Matern52", 16, marks=SLOW)],  # D = 64: test_fused_gradients_on_real_data
 )
 def test_fused_gradients_as_accurate_as_the_vmap_form(name, dim, monkeypatch):
     """The checkpointed gradient of sum(sin(K @ v)) in the lengthscale, the points and v, by the
@@ -2425,18 +2468,17 @@ def assert_gradients_within_contract(fused, vmapped, x1, x2, v, ls, family, vari
             within_contract(got, vmap, truth[name][0], np.max(truth[name][1]))
 
 
+@SLOW
 @FUSED_ON_CPU
-@pytest.mark.parametrize("real_set", ["digits", "breast_cancer"])
-def test_fused_gradients_on_real_data(real_set, monkeypatch):
-    """The test above on scikit-learn's digits (D = 64) and breast cancer (D = 30), standardised: 150 rows and
-    10 of them again (distance zero), at lengthscales 1 and sqrt(D)."""
+def test_fused_gradients_on_real_data(monkeypatch):
+    """The test above on scikit-learn's digits (D = 64), standardised, at lengthscale 1: 150 rows and 10 of them
+    again (distance zero)."""
     monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
-    data = real_data(real_set)
-    rng = np.random.default_rng(len(real_set))
+    data = real_data("digits")
+    rng = np.random.default_rng(6)
     rows = rng.choice(len(data), 150, replace=False)
     x = ((data - data.mean(0)) / np.maximum(data.std(0), 1e-12))[np.concatenate([rows, rows[:10]])]
-    for ls in (1.0, float(np.float32(np.sqrt(x.shape[1])))):
-        assert_fused_gradients_as_accurate("rbf-module", {real_set: x}, ls, rng)
+    assert_fused_gradients_as_accurate("rbf-module", {"digits": x}, 1.0, rng)
 
 
 @SLOW
@@ -2445,7 +2487,7 @@ def test_fused_derivatives_match_the_vmap_form(monkeypatch):
     """The fused primitive's rules (a TPU faked, Pallas interpreted), under jit, within the contract against the
     same derivative in float64 (the vmap form's, x64 on; NumPy's pullback_oracle for first derivatives, whose
     scale is the sum of the terms' magnitudes): forward mode, the hessian (reverse and forward over forward), the
-    gradient of a jvp, vmap of the gradient, grad of grad, w @ K's gradient and a 3-column operand's (today's vjp
+    gradient of a jvp, vmap of the gradient, grad of grad, w @ K's gradient and a 3-column operand's (the unfused vjp
     behind the fused product)."""
     monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
     rng = np.random.default_rng(5)
@@ -2516,7 +2558,7 @@ def test_fused_derivatives_match_the_vmap_form(monkeypatch):
 
 def branches_taken(monkeypatch):
     """Which branch each fused switch takes when it runs: site ("product" or "backward") -> the set of indices
-    (0: 3 digits, 1: 4 digits, 2: today's form), recorded by a callback beside _first_vouched's choice."""
+    (0: 3 digits, 1: 4 digits, 2: the unfused form), recorded by a callback beside _first_vouched's choice."""
     taken, first_vouched = {}, lazy_kernel._first_vouched
 
     def recorded(vouched):
@@ -2529,19 +2571,30 @@ def branches_taken(monkeypatch):
     return taken
 
 
-def fused_products_within_contract(make, family, ls, x1, x2, width, rng, batch_size=64):
+def fused_products_within_contract(make, family, ls, x1, x2, width, rng, batch_size=64, programs=None):
     """K @ X and X @ K (``width`` columns) of ``make(ls)`` on float32 x1 and x2 against NumPy float64, within 4x the
-    vmap form's error (its block on this device, contracted in float64) plus 16 eps of the largest |K| |X|."""
+    vmap form's error (its block on this device, contracted in float64) plus 16 eps of the largest |K| |X|.
+    ``programs``: fused_programs' pair, to run several data sets of one shape through one compile."""
+    products, vmap_block = programs or fused_programs(make, batch_size)
     right = np.asarray(rng.uniform(-0.25, 1, size=(len(x2), width)), np.float32)
     left = np.asarray(rng.uniform(-0.25, 1, size=(width, len(x1))), np.float32)
-    op = LazyKernel(make(jnp.float32(ls)), jnp.asarray(x1), jnp.asarray(x2), batch_size=batch_size)
-    got_right, got_left = jax.jit(lambda r, w: (op @ r, w @ op))(right, left)
+    got_right, got_left = products(jnp.float32(ls), x1, x2, right, left)
     k = pullback_oracle(x1, x2, ls, 1.3, 0, 0, family)["K"][0]
-    kernel = make(jnp.float32(ls))
-    vmapped = np.asarray(jax.jit(lambda a, b: lazy_kernel._vmap_block(kernel, a, b))(x1, x2), np.float64)
+    vmapped = np.asarray(vmap_block(jnp.float32(ls), x1, x2), np.float64)
     right, left = np.asarray(right, np.float64), np.asarray(left, np.float64)
     within_contract(got_right, (vmapped @ right).astype(np.float32), k @ right, np.max(k @ np.abs(right)))
     within_contract(got_left, (left @ vmapped).astype(np.float32), left @ k, np.max(np.abs(left) @ k))
+
+
+def fused_programs(make, batch_size):
+    """Jitted (ls, x1, x2, right, left) -> (K @ right, left @ K) of ``make(ls)``, and (ls, x1, x2) -> its vmap form's
+    block."""
+
+    def products(ls, x1, x2, right, left):
+        op = LazyKernel(make(ls), x1, x2, batch_size=batch_size)
+        return op @ right, left @ op
+
+    return jax.jit(products), jax.jit(lambda ls, x1, x2: lazy_kernel._vmap_block(make(ls), x1, x2))
 
 
 def grid_shapes(f, *args):
@@ -2590,39 +2643,17 @@ def rule_reach(sensitivity, digits, ls, dim, steps):
     return rho / (np.sqrt(dim) / ls * 2.0 ** (2 - 8 * digits) * (1 + 2**-20))
 
 
-# (kernel, digits, the backward's limit?, the side of it the points reach): a default few, the rest slow
-FUSED_LIMITS = [
-    ("gpjax-Matern52", 3, True, "outside"),
-    ("rbf-module", 4, False, "outside"),
-    *(
-        pytest.param(*case, marks=SLOW)
-        for case in [
-            ("gpjax-Matern52", 3, False, "inside"),
-            ("rbf-module", 3, False, "inside"),
-            ("rbf-module", 3, False, "outside"),
-            ("rbf-module", 4, False, "inside"),
-            ("gpjax-Matern52", 3, False, "outside"),
-            ("gpjax-Matern52", 3, True, "inside"),
-            ("gpjax-Matern52", 4, False, "inside"),
-            ("gpjax-Matern52", 4, False, "outside"),
-            ("gpjax-Matern52", 4, True, "inside"),
-            ("gpjax-Matern52", 4, True, "outside"),
-        ]
-    ),
-]
-
-
 @FUSED_ON_CPU
-@pytest.mark.parametrize("name, digits, backward, side", FUSED_LIMITS)
-def test_fused_branches_follow_the_rule(name, digits, backward, side, monkeypatch):
-    """Points reaching 3% inside or outside a limit of the rule (NumPy's reading of it, rule_reach), for RBF and
+@pytest.mark.parametrize("name", ["rbf-module", pytest.param("gpjax-Matern52", marks=SLOW)])
+def test_fused_branches_follow_the_rule(name, monkeypatch):
+    """Points reaching 3% inside or outside each limit of the rule (NumPy's reading of it, rule_reach), for RBF and
     for Matern 5/2, whose backward's limits are lower: the product and the backward each take the branch the rule
-    gives them (3 digits, 4 digits, or today's form), and K @ v, v @ K and the gradient in the lengthscale, x1, x2
-    and v are within the contract there."""
+    gives them (3 digits, 4 digits, or the unfused form), and K @ v, v @ K and the gradient in the lengthscale, x1, x2
+    and v are within the contract there. One compile per kernel: the branch is chosen as the program runs."""
     monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
     taken = branches_taken(monkeypatch)
     dim, ls = 16, 1.5
-    make = FUSED_KERNELS[name][0]
+    make = FUSED_KERNELS[name][0] if name in FUSED_KERNELS else pytest.skip("gpjax is in the 'interop' extra")
     probes = (jnp.zeros((n, dim), jnp.float32) for n in (2, 3))
     fusion = lazy_kernel._fusion(make(jnp.float32(ls)), *probes, False, lazy_kernel.block_plan(RBF(), dim).block)
     # lambda: |tail' / tail| at its largest (RBF 1/2, Matern 5/2 5/6 at d^2 = 0); the backward's, with |tail'' / tail'|
@@ -2631,29 +2662,35 @@ def test_fused_branches_follow_the_rule(name, digits, backward, side, monkeypatc
     assert sensitivity[False] == pytest.approx(0.5 if name.startswith("rbf") else 5 / 6, rel=1e-6)
     assert sensitivity[True] == pytest.approx(0.5, rel=1e-6) if name.startswith("rbf") else sensitivity[True] >= 2.5
     limits = {(c, b): rule_reach(sensitivity[b], c, ls, dim, fusion.steps) for c in (3, 4) for b in (False, True)}
-    reach = limits[digits, backward] * {"inside": 0.97, "outside": 1.03}[side]
-    expected = {  # the first digit count whose limit the points are within, else today's form
-        site: next((i for i, c in enumerate((3, 4)) if reach <= limits[c, b]), 2)
-        for site, b in (("product", False), ("backward", True))
-    }
-    rng = np.random.default_rng(digits)
-    x1 = np.asarray(rng.uniform(-reach, reach, size=(70, dim)), np.float32)
-    x1[0], x1[1] = -reach, reach  # the grid's half-width: reach
-    x1[40:50] = x1[30:40] + np.float32(ls / 100) * rng.normal(size=(10, dim)).astype(np.float32)  # near pairs
-    x2 = x1[20:]  # distance zero: x1[20:] and x2
-    fused_products_within_contract(make, fused_family(name), ls, x1, x2, 1, rng, batch_size=32)
-    assert taken == {"product": {expected["product"]}}, (taken, expected)
     loss = lambda ls, x1, x2, v, k: jnp.sum(jnp.sin(k(ls, x1, x2) @ v))  # noqa: E731
     lazy = lambda ls, x1, x2: LazyKernel(make(ls), x1, x2, batch_size=32, checkpoint=True)  # noqa: E731
     vmap = lambda ls, x1, x2: lazy_kernel._vmap_block(make(ls), x1, x2)  # noqa: E731
-    v = np.asarray(rng.uniform(-0.25, 1, size=len(x2)), np.float32)
-    args = (jnp.float32(ls), jnp.asarray(x1), jnp.asarray(x2), jnp.asarray(v))
-    got, want = (jax.jit(jax.grad(functools.partial(loss, k=k), argnums=(0, 1, 2, 3)))(*args) for k in (lazy, vmap))
-    assert taken == {site: {index} for site, index in expected.items()}, (taken, expected)
-    # Where the backward is today's form, its per-pair derivatives are the vmap form's: one scalar's error is then
-    # another draw of the same per-pair errors, which the vmap form's own cotangents may cancel by chance
-    checked = GRADIENTS if expected["backward"] < 2 else GRADIENTS[1:]
-    assert_gradients_within_contract(got, want, x1, x2, v, ls, fused_family(name), checked=checked)
+    gradients = [jax.jit(jax.grad(functools.partial(loss, k=k), argnums=(0, 1, 2, 3))) for k in (lazy, vmap)]
+    programs, seen = fused_programs(make, batch_size=32), set()
+    backward_limits = (False, True) if limits[3, True] != limits[3, False] else (False,)  # RBF's are the product's
+    for digits, backward, side in itertools.product((3, 4), backward_limits, ("inside", "outside")):
+        reach = limits[digits, backward] * {"inside": 0.97, "outside": 1.03}[side]
+        expected = {  # the first digit count whose limit the points are within, else the unfused form
+            site: next((i for i, c in enumerate((3, 4)) if reach <= limits[c, b]), 2)
+            for site, b in (("product", False), ("backward", True))
+        }
+        seen |= set(expected.items())
+        rng = np.random.default_rng(digits)
+        x1 = np.asarray(rng.uniform(-reach, reach, size=(70, dim)), np.float32)
+        x1[0], x1[1] = -reach, reach  # the grid's half-width: reach
+        x1[40:50] = x1[30:40] + np.float32(ls / 100) * rng.normal(size=(10, dim)).astype(np.float32)  # near pairs
+        x2 = x1[20:]  # distance zero: x1[20:] and x2
+        taken.clear()
+        fused_products_within_contract(make, fused_family(name), ls, x1, x2, 1, rng, programs=programs)
+        assert taken == {"product": {expected["product"]}}, (digits, backward, side, taken, expected)
+        v = np.asarray(rng.uniform(-0.25, 1, size=len(x2)), np.float32)
+        got, want = (gradient(jnp.float32(ls), x1, x2, v) for gradient in gradients)
+        assert taken == {site: {index} for site, index in expected.items()}, (digits, backward, side, taken, expected)
+        # Where the backward is the unfused form, its per-pair derivatives are the vmap form's: one scalar's error is
+        # then another draw of the same per-pair errors, which the vmap form's own cotangents may cancel by chance
+        checked = GRADIENTS if expected["backward"] < 2 else GRADIENTS[1:]
+        assert_gradients_within_contract(got, want, x1, x2, v, ls, fused_family(name), checked=checked)
+    assert all({i for s, i in seen if s == site} == {0, 1, 2} for site in ("product", "backward")), seen
 
 
 @FUSED_ON_CPU
@@ -2710,11 +2747,11 @@ def fused_rule(kernel, x1, x2=None):
 
 
 @FUSED_ON_CPU
-@pytest.mark.parametrize("name", sorted(FUSED_KERNELS))
+@pytest.mark.parametrize("name", every_other_slow(sorted(FUSED_KERNELS)))
 def test_fused_rule_vouches_where_the_grid_keeps_the_contract(name, monkeypatch):
     """The rule: lambda = |tail' / tail| taken at d^2 from 0 to 64 (RBF: 1/2; Matern 5/2: 5/6 at 0); 3 digits for
     points spread over a lengthscale or two (RBF: |s| R up to about 4), wherever they lie, 4 over 8, neither over 2000
-    (there the product is today's form's); Matern 1/2 (a square root of d^2) never."""
+    (there the product is the unfused form's); Matern 1/2 (a square root of d^2) never."""
     monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
     make, _ = FUSED_KERNELS[name]
     x = jnp.asarray(np.random.default_rng(0).uniform(-1, 1, size=(50, 16)), jnp.float32)
@@ -2743,14 +2780,15 @@ def test_fused_rule_vouches_where_the_grid_keeps_the_contract(name, monkeypatch)
 @ON_ACCELERATORS
 @pytest.mark.parametrize(
     "name, dim",
-    [("rbf-module", 16), ("gpjax-Matern52", 16)]
-    + [pytest.param(name, 16, marks=SLOW) for name in ("rbf-pair", "gpjax-RBF", "matern12-pair")]
-    + [pytest.param(name, 128, marks=SLOW) for name in ("rbf-module", "gpjax-Matern52")],  # int8 digits
+    [("rbf-module", 16)]
+    + [
+        pytest.param(*case, marks=SLOW) for case in [("gpjax-Matern52", 16), ("matern12-pair", 16), ("rbf-module", 128)]
+    ],
 )
 def test_fused_products_as_accurate_as_the_vmap_form(name, dim, monkeypatch, device):
     """The oracle test of every form (test_as_accurate_as_the_vmap_form) at one scalar lengthscale, where a TPU
     fuses the product (faked here; the accelerator subset runs it on the chip too): values and gradients, data
-    spread over 1 to 1000 lengthscales (the rule sends the farthest to today's form), at distance zero, near
+    spread over 1 to 1000 lengthscales (the rule sends the farthest to the unfused form), at distance zero, near
     pairs, far from the origin and in tight clusters."""
     if device.platform != "tpu":
         monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
@@ -2758,7 +2796,7 @@ def test_fused_products_as_accurate_as_the_vmap_form(name, dim, monkeypatch, dev
     ls = np.array(0.9)
     make = ACCURACY_KERNELS[name][0]
     fused = isinstance(lazy_kernel.block_plan(make(jnp.float32(0.9)), dim).product, lazy_kernel.FusedProduct)
-    assert fused  # Matern 1/2's too: the rule then sends every product to today's form
+    assert fused  # Matern 1/2's too: the rule then sends every product to the unfused form
     weights = rng.normal(size=(24, 20))
     assert_as_accurate_as_the_vmap_form(name, accuracy_data(rng, dim, ls), ls, jnp.float32, True, weights)
 
@@ -2870,9 +2908,10 @@ def _off_by_bf16_sized_errors(what, monkeypatch):
     "what",
     [
         "K off by 5e-4",
-        "K rounded to bf16",
-        "exp off by 5e-4",
-        "operand rounded to bf16",
+        *(
+            pytest.param(what, marks=SLOW)
+            for what in ("K rounded to bf16", "exp off by 5e-4", "operand rounded to bf16")
+        ),
         "contraction at JAX's default precision",
     ],
 )
@@ -3172,17 +3211,20 @@ def close(got, want, scale):
     assert np.all(np.abs(np.asarray(got) - want) <= 1e-12 * scale), np.max(np.abs(np.asarray(got) - want) / scale)
 
 
+def products(kernel, batch, x1, x2, v, w):
+    op = lk.LazyKernel(kernel, x1, x2, batch_size=batch, max_memory_mb=0.01, checkpoint=True)
+    grad = jax.grad(lambda x1: jnp.sum(lk.LazyKernel(kernel, x1, x2, batch_size=batch, checkpoint=True) @ v))(x1)
+    return op @ v, w @ op, op.T @ w.T, op.to_dense(), op.diagonal(), grad
+
+
+terms = (k * v)[..., None] * (x2[None] - x1[:, None]) / 0.8**2
 for kernel in (lk.RBF(0.8, 1.7), lambda x, y: 1.7 * jnp.exp(-0.5 * jnp.sum(((x - y) / 0.8) ** 2)), Own()):
     for batch in (None, 5):
-        op = lk.LazyKernel(kernel, x1, x2, batch_size=batch, max_memory_mb=0.01, checkpoint=True)
-        close(op @ v, k @ v, k @ np.abs(v))
-        close(w @ op, w @ k, np.abs(w) @ k)
-        close(op.T @ w.T, (w @ k).T, (np.abs(w) @ k).T)
-        close(op.to_dense(), k, k)
-        close(op.diagonal(), np.diag(k), np.diag(k))
-        grad = jax.grad(lambda x1: jnp.sum(lk.LazyKernel(kernel, x1, x2, batch_size=batch, checkpoint=True) @ v))(x1)
-        terms = (k * v)[..., None] * (x2[None] - x1[:, None]) / 0.8**2
-        close(grad, terms.sum(1), np.abs(terms).sum(1))
+        got = jax.jit(products, static_argnums=(0, 1))(kernel, batch, x1, x2, v, w)
+        wants = [(k @ v, k @ np.abs(v)), (w @ k, np.abs(w) @ k), ((w @ k).T, (np.abs(w) @ k).T), (k, k)]
+        wants += [(np.diag(k), np.diag(k)), (terms.sum(1), np.abs(terms).sum(1))]
+        for value, (want, scale) in zip(got, wants, strict=True):
+            close(value, want, scale)
 plan = lk.block_plan(lk.RBF(), 3)
 print("core oracle passed;", type(plan.block).__name__, type(plan.sizing).__name__, type(plan.product).__name__)
 """
@@ -3208,15 +3250,16 @@ def test_each_layer_cuts_out(names, tmp_path):
         assert f"optional layer: {name}" not in text
     (tmp_path / "lazy_kernel.py").write_text(text)
     (tmp_path / "core_oracle.py").write_text(CORE_ORACLE)
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    oracle = subprocess.run([sys.executable, "core_oracle.py"], cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert oracle.returncode == 0, oracle.stderr[-3000:]
-    forms = oracle.stdout.split(";")[1].split()
+    cheap = " ".join(f"--{name}={str(value).lower()}" for name, value in _cheap_cpu_options.items())
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": cheap}  # the suite's cheap CPU code generation
+    code = (
+        "import core_oracle, sys, lazy_kernel; sys.exit(lazy_kernel.main(['--n', '200', '--dim', '3', '--check', '8']))"
+    )
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.rstrip().endswith("PASS"), run.stdout + run.stderr[-3000:]
+    forms = run.stdout.split("core oracle passed;")[1].split("\n")[0].split()
     assert ("PairProgramForm" in forms) == ("pair program" not in names)
     assert ("MeasuredBlocks" in forms) == ("measured blocks" not in names)
-    check = [sys.executable, "lazy_kernel.py", "--n", "300", "--dim", "3,16", "--check", "8"]
-    checked = subprocess.run(check, cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert checked.returncode == 0 and checked.stdout.rstrip().endswith("PASS"), checked.stdout + checked.stderr
 
 
 # -- real use: solvers, the README's examples -----------------------------------------
