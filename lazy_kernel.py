@@ -245,9 +245,12 @@ def _structure(kernel, dim, dtype):
     programs = [jax.make_jaxpr(lambda x, y: kernel(x, y))(point, point)]
     if hasattr(kernel, "cross_covariance"):
         programs.append(jax.make_jaxpr(kernel.cross_covariance)(*_probe_blocks(dim, dtype)))
-    consts = [np.asarray(c) for p in programs for c in p.consts if not isinstance(c, jax.core.Tracer)]
-    if len(consts) < sum(len(p.consts) for p in programs):
-        return None  # it holds values being traced: planned on each call, as their identity may matter
+    try:  # None (planned on each call) for a traced value, whose identity may matter, and for a PRNG key
+        consts = [np.asarray(c) for p in programs for c in p.consts]
+    except TypeError:
+        return None
+    if any(c.dtype == object for c in consts):  # a PRNG key, as JAX 0.4 gives it to NumPy
+        return None
     values = tuple((c.dtype, c.shape, hashlib.blake2b(c.tobytes()).digest()) for c in consts)
     return (*map(str, programs), values)  # the programs' text omits their constants' values
 

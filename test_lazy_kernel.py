@@ -1556,6 +1556,19 @@ def test_kernels_that_differ_only_in_a_constant_get_their_own_plans(device):
     np.testing.assert_allclose(LazyKernel(make(other), x, x) @ jnp.ones(9, jnp.float32), oracle, rtol=1e-6)
 
 
+def test_a_kernel_holding_a_prng_key_is_planned_on_each_call(device):
+    """A kernel closing over a typed PRNG key (NumPy cannot hold it, so its plan is not cached): its products
+    are the dense matrix's, against NumPy float64."""
+    key = jax.random.key(3)
+    shift = np.asarray(jax.random.normal(key, (3,)), np.float64)
+    kernel = lambda x, y: jnp.exp(-jnp.sum((x - y + jax.random.normal(key, (3,))) ** 2))  # noqa: E731
+    x = np.random.default_rng(1).normal(size=(7, 3))
+    k = np.exp(-np.sum((x[:, None] - x[None] + shift) ** 2, -1))
+    op = LazyKernel(kernel, jnp.asarray(x), jnp.asarray(x), batch_size=3)
+    np.testing.assert_allclose(op @ np.ones(7), k.sum(1), rtol=1e-12)
+    np.testing.assert_allclose(np.ones(7) @ op, k.sum(0), rtol=1e-12)
+
+
 def test_gpjax_kernels_take_the_pair_program_without_fallbacks(device):
     gpjax = pytest.importorskip("gpjax", reason="gpjax is in the 'interop' extra")
     for kernel in (gpjax.kernels.RBF(), gpjax.kernels.Matern52(), gpjax.kernels.Periodic(), gpjax.kernels.Linear()):
