@@ -232,7 +232,8 @@ def block_evaluation(kernel: PairKernel, dim: int, dtype=jnp.float32) -> str:
 
 def _structure(kernel, dim, dtype):
     """What a plan of ``kernel`` depends on: its pytree and its leaves' types where they are all arrays, else its
-    program (and its cross_covariance's) on abstract points, with its constants; None where it holds tracers."""
+    program (and its cross_covariance's) on abstract points, with its constants; None where NumPy cannot hold one (a
+    tracer, a PRNG key)."""
     leaves, treedef = jax.tree_util.tree_flatten(kernel)
     if all(map(_is_array, leaves)):
         structure = (treedef, tuple((jnp.shape(a), jnp.result_type(a), getattr(a, "weak_type", False)) for a in leaves))
