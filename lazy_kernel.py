@@ -129,13 +129,18 @@ def _probe_blocks(dim, dtype):
 def _check_kernel(kernel, dim, dtype):
     """The dtype ``kernel`` returns, checking its shapes without evaluating it."""
     point = jax.ShapeDtypeStruct((dim,), dtype)
-    out = jax.eval_shape(lambda x, y: kernel(x, y), point, point)
+    expected = "a kernel is called on one pair of points, kernel(x: [D], y: [D]) -> scalar; "
+    block_function = (  # GPJax's kernel.cross_covariance, say
+        "; a function of blocks ([m, D], [n, D] -> [m, n]) is not one: pass the kernel object itself (LazyKernel "
+        "uses its cross_covariance), or a function of one pair"
+    )
+    try:
+        out = jax.eval_shape(lambda x, y: kernel(x, y), point, point)
+    except Exception as error:
+        raise TypeError(f"{expected}kernel({dim}-vector, {dim}-vector) raised {error!r:.300}{block_function}") from error
     if not hasattr(out, "shape") or out.shape != ():
         shape = getattr(out, "shape", type(out).__name__)
-        raise TypeError(
-            "a kernel is called on one pair of points, kernel(x: [D], y: [D]) -> scalar; "
-            f"kernel({dim}-vector, {dim}-vector) returned {shape}"
-        )
+        raise TypeError(f"{expected}kernel({dim}-vector, {dim}-vector) returned {shape}{block_function}")
     if hasattr(kernel, "cross_covariance"):
         block = jax.eval_shape(kernel.cross_covariance, *_probe_blocks(dim, dtype))
         if getattr(block, "shape", None) != (2, 3):
@@ -275,12 +280,12 @@ def _contraction_precision():
 # --------------------------------------------------------------------------
 
 
-def _blockwise_matmul(rows_times, points, rhs_width, dtype, block, checkpoint, inputs, axis=0):
+def _blockwise_matmul(rows_times, points, rhs_width, dtype, block, policy, inputs, axis=0):
     """``out[I] = rows_times(points[I])``, K's rows at the points times the operand [len(I), rhs_width] (with
-    ``axis`` 1 transposed, as out is), for blocks I of ``block`` points; ``inputs``: the arrays it depends on."""
+    ``axis`` 1 transposed, as out is), for blocks I of ``block`` points; ``policy``: what reverse mode saves of a
+    block, as ``jax.checkpoint``'s (None: nothing, it recomputes the block); ``inputs``: the arrays it depends on."""
     n = points.shape[0]
-    if checkpoint:
-        rows_times = jax.checkpoint(rows_times, prevent_cse=False)
+    rows_times = jax.checkpoint(rows_times, prevent_cse=False, policy=policy)
 
     def body(i, out):
         start = jnp.minimum(i * block, n - block)  # the last block overlaps the one before it
@@ -335,7 +340,6 @@ def _zeros_varying_like(shape, dtype, tree):
 def _product(op, rhs, dtype, block):
     """``op @ rhs``, rhs [N, width], by the engine at ``block`` rows per block, each row block's product made as
     the plan says (the sizing layers' way in: the product at a block of their choosing)."""
-    op, rhs = (op, rhs) if op.checkpoint else _warn_if_differentiated((op, rhs))
     kernel, x1, cols, transposed, plan = op.kernel, jnp.asarray(op.x1), jnp.asarray(op.x2), op.transposed, op.plan
     width = rhs.shape[1]
     if isinstance(plan.block, CrossCovarianceForm) and transposed:  # its blocks are K's: X @ K by K's columns
@@ -346,7 +350,7 @@ def _product(op, rhs, dtype, block):
 
     if plan.product is not None:
         rows_times = plan.product.rows_times(op, x1, cols, rhs, rows_times)
-    return _blockwise_matmul(rows_times, x1, width, dtype, block, op.checkpoint, (op, rhs))
+    return _blockwise_matmul(rows_times, x1, width, dtype, block, _reverse_mode_policy(op), (op, rhs))
 
 
 def _columns_product(op, lhs, dtype, block):
@@ -358,7 +362,8 @@ def _columns_product(op, lhs, dtype, block):
         return _contract(lhs, op.kernel.cross_covariance(cols, points).astype(dtype), op.plan, width)
 
     x1 = jnp.asarray(op.x1)
-    return _blockwise_matmul(columns_times, x1, width, dtype, block, op.checkpoint, (op, lhs), axis=1).T
+    policy = _reverse_mode_policy(op)
+    return _blockwise_matmul(columns_times, x1, width, dtype, block, policy, (op, lhs), axis=1).T
 
 
 # --------------------------------------------------------------------------
@@ -383,6 +388,12 @@ class LazyKernel:
 
     __array_ufunc__ = None  # NumPy arrays on the left defer to __rmatmul__
 
+    def __array__(self, *_, **__):
+        raise TypeError(
+            f"LazyKernel{self.shape} is not converted to an array, which would make the whole matrix: multiply by "
+            "it, or call .to_dense() where the matrix is small enough to hold"
+        )
+
     def __init__(self, kernel, x1, x2, /, *, max_memory_mb=2**10, batch_size=None, checkpoint=False):
         if not callable(kernel):
             raise TypeError(f"kernel must be callable as kernel(x, y); got {type(kernel).__name__}")
@@ -399,6 +410,11 @@ class LazyKernel:
             isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1
         ):
             raise ValueError(f"batch_size must be a positive integer or None; got {batch_size!r}")
+        if getattr(max_memory_mb, "shape", None) == () and jnp.issubdtype(max_memory_mb.dtype, jnp.number):
+            try:
+                max_memory_mb = float(max_memory_mb)  # a NumPy or JAX scalar
+            except jax.errors.ConcretizationTypeError:
+                raise TypeError("max_memory_mb sizes blocks as a product is traced: a number, not a traced value") from None
         real = isinstance(max_memory_mb, numbers.Real) and not isinstance(max_memory_mb, bool)
         if not real or not math.isfinite(max_memory_mb) or max_memory_mb < 0:
             raise ValueError(f"max_memory_mb must be a finite number >= 0; got {max_memory_mb!r}")
@@ -406,7 +422,7 @@ class LazyKernel:
             raise TypeError(f"checkpoint must be True or False; got {checkpoint!r}")
         self.kernel, self.x1, self.x2 = kernel, x1, x2
         self.max_memory_mb, self.batch_size, self.checkpoint = max_memory_mb, batch_size, checkpoint
-        self.dtype = _check_kernel(kernel, x1.shape[1], jnp.result_type(x1.dtype, x2.dtype))
+        self.dtype = _check_kernel(kernel, x1.shape[1], jnp.result_type(x1, x2))
         self.transposed = False  # True: K[i, j] = kernel(x2[j], x1[i]), as in the transpose of an operator
         # Which kernel leaves are arrays is fixed here: JAX also flattens pytrees of placeholders.
         self._array_leaves = tuple(map(_is_array, jax.tree_util.tree_leaves(kernel)))
@@ -439,25 +455,10 @@ class LazyKernel:
     # -- products ------------------------------------------------------------
 
     def __matmul__(self, other):
-        x = self._operand(other, "right")
-        if x.ndim == 1:
-            return (self @ x[:, None])[:, 0]
-        m, n = self.shape
-        dtype = jnp.result_type(self.dtype, x.dtype)
-        batch, k = x.shape[:-2], x.shape[-1]
-        rhs = jnp.moveaxis(x, -2, 0).reshape(n, math.prod(batch) * k).astype(dtype)  # every batch in one pass
-        sizing = self.plan.sizing
-        if self.batch_size is None and sizing is not None:
-            out = sizing.product(self, rhs, dtype)  # the sizing layer's, at its blocks, gradients' included
-        else:
-            out = _product(self, rhs, dtype, self.block_rows)
-        return jnp.moveaxis(out.reshape(m, *batch, k), 0, -2)
+        return _matmul(self, self._operand(other, "right"), _settings())
 
     def __rmatmul__(self, other):
-        x = self._operand(other, "left")
-        if x.ndim == 1:
-            return self.T @ x
-        return jnp.swapaxes(self.T @ jnp.swapaxes(x, -1, -2), -1, -2)  # X @ K = (K^T @ X^T)^T
+        return _rmatmul(self, self._operand(other, "left"), _settings())
 
     def _operand(self, other, side):
         """``other`` as a JAX array, with its size along K's ``side`` axis checked."""
@@ -483,7 +484,7 @@ class LazyKernel:
     @property
     def plan(self) -> Plan:
         """The plan its blocks follow: ``block_plan(kernel, D, dtype)``."""
-        return block_plan(self.kernel, self.x1.shape[1], jnp.result_type(self.x1.dtype, self.x2.dtype))
+        return block_plan(self.kernel, self.x1.shape[1], jnp.result_type(self.x1, self.x2))
 
     @property
     def block_rows(self) -> int:
@@ -565,23 +566,54 @@ class LazyKernel:
         return op
 
 
-@jax.custom_jvp
-def _warn_if_differentiated(op_and_operand):
-    """``(op, operand)`` as they are; differentiating through them warns that blocks are not checkpointed."""
-    return op_and_operand
-
-
-@_warn_if_differentiated.defjvp
-def _warn_on_derivative(primals, tangents):
-    ((op, _),) = primals
+@functools.partial(jax.jit, static_argnums=2)
+def _matmul(op, x, settings):
+    """``op @ x``, x [N], [N, k] or [..., N, k], jitted: a product compiles once per structure (the kernel's pytree
+    or program, shapes, dtypes, ``settings``), not on every call outside ``jit``."""
+    if x.ndim == 1:
+        return _matmul(op, x[:, None], settings)[:, 0]
     m, n = op.shape
-    warnings.warn(
-        f"LazyKernel{op.shape} with checkpoint=False is differentiated: reverse mode (grad, vjp) stores "
-        f"every block, at least the whole matrix ({m * n * op.dtype.itemsize / 2**20:.4g} MiB), whatever "
-        "max_memory_mb says. Pass checkpoint=True to keep gradients within the budget.",
-        stacklevel=1,  # the caller is inside JAX's differentiation
-    )
-    return primals[0], tangents[0]
+    dtype = jnp.result_type(op.dtype, x.dtype)
+    batch, k = x.shape[:-2], x.shape[-1]
+    rhs = jnp.moveaxis(x, -2, 0).reshape(n, math.prod(batch) * k).astype(dtype)  # every batch in one pass
+    sizing = op.plan.sizing
+    if op.batch_size is None and sizing is not None:
+        out = sizing.product(op, rhs, dtype)  # the sizing layer's, at its blocks, gradients' included
+    else:
+        out = _product(op, rhs, dtype, op.block_rows)
+    return jnp.moveaxis(out.reshape(m, *batch, k), 0, -2)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _rmatmul(op, x, settings):
+    """``x @ op``, x [M], [k, M] or [..., k, M]: ``(op.T @ x^T)^T``, jitted as ``_matmul``."""
+    if x.ndim == 1:
+        return _matmul(op.T, x, settings)
+    return jnp.swapaxes(_matmul(op.T, jnp.swapaxes(x, -1, -2), settings), -1, -2)
+
+
+def _reverse_mode_policy(op):
+    """What reverse mode saves of ``op``'s blocks: nothing with ``checkpoint`` (None); else every value, as
+    without ``jax.checkpoint``, warning that it does. JAX asks the policy only in reverse mode (grad, vjp,
+    linearize): forward mode stores nothing and warns nothing."""
+    if op.checkpoint:
+        return None
+    m, n = op.shape
+    warned = []
+
+    def save_every_value(*_, **__):
+        if warned:
+            return True
+        warned.append(True)
+        warnings.warn(
+            f"LazyKernel{op.shape} with checkpoint=False is differentiated in reverse mode (grad, vjp, linearize): "
+            f"that stores every block, at least the whole matrix ({m * n * op.dtype.itemsize / 2**20:.4g} MiB), "
+            "whatever max_memory_mb says. Pass checkpoint=True to keep gradients within the budget.",
+            stacklevel=2,
+        )
+        return True
+
+    return save_every_value
 
 
 # --------------------------------------------------------------------------

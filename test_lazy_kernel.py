@@ -445,6 +445,42 @@ def count_compiles(monkeypatch):
     return compiled
 
 
+BACKEND_COMPILES = []  # one entry for every program XLA compiles, from here on
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, _, **__: BACKEND_COMPILES.append(1) if event == "/jax/core/compile/backend_compile_duration" else None
+)
+
+
+@pytest.mark.parametrize("gpjax", [False, True])
+def test_products_outside_jit_compile_once_per_structure(gpjax):
+    """From the second product on, K @ v and v @ K outside jit compile nothing: not for the same operator, nor for
+    a new one of the same structure (new hyperparameters, new points of the same shapes)."""
+    make = pytest.importorskip("gpjax").kernels.RBF if gpjax else RBF
+    rng = np.random.default_rng(21)
+    x1, x2, y1, y2 = (jnp.asarray(rng.normal(size=(n, 3)), jnp.float32) for n in (60, 50, 60, 50))
+    v, w = jnp.asarray(rng.normal(size=50), jnp.float32), jnp.asarray(rng.normal(size=60), jnp.float32)
+    lengthscales = (0.8, 1.3)
+    first, second = (make(lengthscale=jnp.asarray(ls, jnp.float32)) for ls in lengthscales)
+    op = LazyKernel(first, x1, x2, max_memory_mb=0.01)  # several blocks
+    op @ v, w @ op  # noqa: B018: compiled here
+    compiled_before = len(BACKEND_COMPILES)
+    results = [(k @ v, w @ k) for k in (op, op, LazyKernel(second, y1, y2, max_memory_mb=0.01))]
+    assert len(BACKEND_COMPILES) == compiled_before
+    for (right, left), ls, a, b in zip(results, lengthscales[:1] * 2 + lengthscales[1:], (x1, x1, y1), (x2, x2, y2)):
+        dense = dense_oracle(functools.partial(rbf_np, lengthscale=ls, variance=1.0), a, b)
+        assert_close(right, dense @ np.asarray(v, np.float64), jnp.float32)
+        assert_close(left, np.asarray(w, np.float64) @ dense, jnp.float32)
+
+
+def test_converting_to_an_array_is_refused_with_the_way_to_materialise():
+    op = LazyKernel(RBF(), np.zeros((4, 2)), np.zeros((5, 2)))
+    with pytest.raises(TypeError, match=r"to_dense\(\)"):
+        np.asarray(op)
+    newest_jax = hasattr(jax, "shard_map")  # JAX 0.4's jnp.asarray does not ask NumPy, and names the type only
+    with pytest.raises(TypeError, match=r"to_dense\(\)" if newest_jax else "LazyKernel"):
+        jnp.asarray(op)
+
+
 def test_repr_compiles_nothing_and_shows_a_measured_peak_once_measured(monkeypatch):
     op = LazyKernel(skewed, jnp.zeros((50, 2)), jnp.zeros((40, 2)), max_memory_mb=0.37)
     compiled = count_compiles(monkeypatch)
@@ -699,16 +735,27 @@ def test_gradient_through_an_operator_argument():
         assert_close(got, want, jnp.float64)
 
 
-def test_differentiating_without_checkpoint_warns():
+def test_only_reverse_mode_without_checkpoint_warns():
+    """Reverse mode (grad, linearize) of a product without checkpoint warns that it stores every block; forward
+    mode, products, checkpointed gradients and NumPy float64 points with x64 off warn nothing."""
+    jax.clear_caches()  # JAX asks the policy when it first differentiates a program: not in an earlier test's
     rng = np.random.default_rng(15)
-    x, v = points(rng, 20, 2, jnp.float32), points(rng, 20, 1, jnp.float32)[:, 0]
-    loss = lambda v, checkpoint: jnp.sum(LazyKernel(RBF(), x, x, batch_size=8, checkpoint=checkpoint) @ v)  # noqa: E731
-    with pytest.warns(UserWarning, match=r"checkpoint=False is differentiated.*whole matrix"):
-        jax.grad(loss)(v, False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        jax.grad(loss)(v, True)
-        loss(v, False)
+    x, v = rng.normal(size=(20, 2)), rng.normal(size=20)  # NumPy float64
+
+    def product(lengthscale, checkpoint=False):
+        return LazyKernel(RBF(lengthscale), x, x, batch_size=8, checkpoint=checkpoint) @ v
+
+    with x64_switched(False):
+        for differentiate in (jax.grad, lambda f: lambda a: jax.linearize(f, a)):
+            with pytest.warns(UserWarning, match=r"checkpoint=False is differentiated in reverse mode.*whole matrix"):
+                differentiate(lambda ls: jnp.sum(product(ls)))(0.9)
+            jax.clear_caches()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            jax.grad(lambda ls: jnp.sum(product(ls, checkpoint=True)))(0.9)
+            jax.jvp(product, (0.9,), (1.0,))
+            jax.jacfwd(product)(0.9)
+            product(0.9), v @ LazyKernel(RBF(), x, x)  # noqa: B018
 
 
 # -- bad input ---------------------------------------------------------------------
@@ -730,6 +777,12 @@ def test_differentiating_without_checkpoint_warns():
         ((RBF(), np.zeros((3, 2)), np.zeros((3, 2))), {"checkpoint": 1}, TypeError, "checkpoint"),
         (("rbf", np.zeros((3, 2)), np.zeros((3, 2))), {}, TypeError, "kernel must be callable"),
         (
+            (lambda x1, x2: x1[:, None, 0] - x2[None, :, 0], np.zeros((3, 2)), np.zeros((3, 2))),
+            {},
+            TypeError,
+            r"kernel\(2-vector, 2-vector\) raised IndexError.*a function of blocks.*pass the kernel object itself",
+        ),
+        (
             (lambda x, y: x - y, np.zeros((3, 2)), np.zeros((3, 2))),
             {},
             TypeError,
@@ -740,6 +793,14 @@ def test_differentiating_without_checkpoint_warns():
 def test_bad_construction_is_refused(args, kwargs, error, match):
     with pytest.raises(error, match=match):
         LazyKernel(*args, **kwargs)
+
+
+def test_numpy_and_jax_scalars_are_budgets_and_traced_ones_are_refused():
+    for budget in (jnp.asarray(0.5), np.float32(0.5), np.int64(2)):
+        op = LazyKernel(RBF(), np.zeros((3, 2)), np.zeros((3, 2)), max_memory_mb=budget)
+        assert op.max_memory_mb == float(budget) and op.max_elements == int(float(budget) * 2**20) // 8
+    with pytest.raises(TypeError, match="max_memory_mb.*a number, not a traced value"):
+        jax.jit(lambda mb: LazyKernel(RBF(), np.zeros((3, 2)), np.zeros((3, 2)), max_memory_mb=mb).shape)(1.0)
 
 
 def test_bad_cross_covariance_is_refused():
