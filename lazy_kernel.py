@@ -137,7 +137,8 @@ def _check_kernel(kernel, dim, dtype):
     try:
         out = jax.eval_shape(lambda x, y: kernel(x, y), point, point)
     except Exception as error:
-        raise TypeError(f"{expected}kernel({dim}-vector, {dim}-vector) raised {error!r:.300}{block_function}") from error
+        raised = f"kernel({dim}-vector, {dim}-vector) raised {error!r:.300}"
+        raise TypeError(f"{expected}{raised}{block_function}") from error
     if not hasattr(out, "shape") or out.shape != ():
         shape = getattr(out, "shape", type(out).__name__)
         raise TypeError(f"{expected}kernel({dim}-vector, {dim}-vector) returned {shape}{block_function}")
@@ -414,7 +415,7 @@ class LazyKernel:
             try:
                 max_memory_mb = float(max_memory_mb)  # a NumPy or JAX scalar
             except jax.errors.ConcretizationTypeError:
-                raise TypeError("max_memory_mb sizes blocks as a product is traced: a number, not a traced value") from None
+                raise TypeError("max_memory_mb sizes blocks as products are traced: a number, not a traced one") from None
         real = isinstance(max_memory_mb, numbers.Real) and not isinstance(max_memory_mb, bool)
         if not real or not math.isfinite(max_memory_mb) or max_memory_mb < 0:
             raise ValueError(f"max_memory_mb must be a finite number >= 0; got {max_memory_mb!r}")

@@ -462,11 +462,12 @@ def test_products_outside_jit_compile_once_per_structure(gpjax):
     lengthscales = (0.8, 1.3)
     first, second = (make(lengthscale=jnp.asarray(ls, jnp.float32)) for ls in lengthscales)
     op = LazyKernel(first, x1, x2, max_memory_mb=0.01)  # several blocks
-    op @ v, w @ op  # noqa: B018: compiled here
+    op @ v, w @ op  # noqa: B018 (compiled here)
     compiled_before = len(BACKEND_COMPILES)
     results = [(k @ v, w @ k) for k in (op, op, LazyKernel(second, y1, y2, max_memory_mb=0.01))]
     assert len(BACKEND_COMPILES) == compiled_before
-    for (right, left), ls, a, b in zip(results, lengthscales[:1] * 2 + lengthscales[1:], (x1, x1, y1), (x2, x2, y2)):
+    cases = zip(results, lengthscales[:1] * 2 + lengthscales[1:], (x1, x1, y1), (x2, x2, y2), strict=True)
+    for (right, left), ls, a, b in cases:
         dense = dense_oracle(functools.partial(rbf_np, lengthscale=ls, variance=1.0), a, b)
         assert_close(right, dense @ np.asarray(v, np.float64), jnp.float32)
         assert_close(left, np.asarray(w, np.float64) @ dense, jnp.float32)
@@ -799,7 +800,7 @@ def test_numpy_and_jax_scalars_are_budgets_and_traced_ones_are_refused():
     for budget in (jnp.asarray(0.5), np.float32(0.5), np.int64(2)):
         op = LazyKernel(RBF(), np.zeros((3, 2)), np.zeros((3, 2)), max_memory_mb=budget)
         assert op.max_memory_mb == float(budget) and op.max_elements == int(float(budget) * 2**20) // 8
-    with pytest.raises(TypeError, match="max_memory_mb.*a number, not a traced value"):
+    with pytest.raises(TypeError, match="max_memory_mb.*a number, not a traced one"):
         jax.jit(lambda mb: LazyKernel(RBF(), np.zeros((3, 2)), np.zeros((3, 2)), max_memory_mb=mb).shape)(1.0)
 
 
