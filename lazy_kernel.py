@@ -415,7 +415,7 @@ class LazyKernel:
             try:
                 max_memory_mb = float(max_memory_mb)  # a NumPy or JAX scalar
             except jax.errors.ConcretizationTypeError:
-                raise TypeError("max_memory_mb sizes blocks as products are traced: a number, not a traced one") from None
+                raise TypeError("max_memory_mb sizes blocks as products trace: a number, not a traced one") from None
         real = isinstance(max_memory_mb, numbers.Real) and not isinstance(max_memory_mb, bool)
         if not real or not math.isfinite(max_memory_mb) or max_memory_mb < 0:
             raise ValueError(f"max_memory_mb must be a finite number >= 0; got {max_memory_mb!r}")
