@@ -3,6 +3,7 @@
     python bench_lazy_kernel.py --kernels 8192   # speed: K @ v and the checkpointed gradient, D = 3 to 256
     python bench_lazy_kernel.py --real           # the GP gradient on scikit-learn's data sets (the 'real' extra)
     python bench_lazy_kernel.py --first-use 3000 # what measuring a block costs against the compile it guards
+    python bench_lazy_kernel.py --eager 3000     # K @ v and v @ K outside jit against the jitted call
     python bench_lazy_kernel.py --split 8192     # feature sums written out against a loop, by D
     python bench_lazy_kernel.py --blocks 16384   # K @ v and v @ K by block size
     python bench_lazy_kernel.py --sides 8192     # both sides (K @ X, X @ K, gradients) for every form of block
@@ -15,7 +16,7 @@
     python bench_lazy_kernel.py --accelerator-features 32768  # off the CPU: features written out against vmap
     python bench_lazy_kernel.py --fused 32768    # off the CPU: fused products (one lengthscale) by D
     python bench_lazy_kernel.py --fused-gradient 16384  # off the CPU: their checkpointed gradients by D
-    python bench_lazy_kernel.py                  # all nine at those sizes (not the accelerator tables)
+    python bench_lazy_kernel.py                  # all ten at those sizes (not the accelerator tables)
 
 The constants in lazy_kernel.py's plan, and what these modes measured for them:
 
@@ -293,6 +294,43 @@ def first_use_table(n, gpjax, repeats=3):
                     f"| {extra / given_s:.2f} |",
                     flush=True,
                 )
+
+
+def eager_table(n, gpjax, rounds=15):
+    """``K @ v`` and ``v @ K`` called outside ``jit`` (after the first call) against the same call jitted: medians
+    of ``rounds``, round-robin, each call on an operator made anew from the same arrays."""
+    print(f"\n## Outside jit: M = N = {n}, float32, medians of {rounds} calls round-robin after the first call\n")
+    print("| kernel | D | K @ v jitted, ms | outside jit, ms | ratio | v @ K jitted, ms | outside jit, ms | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    made = {"lazy_kernel.RBF": lambda s: RBF(s), "pair Laplace": lambda s: jax.tree_util.Partial(laplace_pair, scale=s)}
+    if gpjax is not None:
+        made["GPJax Matern52"] = lambda s: gpjax.kernels.Matern52(lengthscale=s)
+    calls = {  # (side, jitted): the call on an operator and v
+        ("right", True): jax.jit(lambda op, v: op @ v),
+        ("right", False): lambda op, v: op @ v,
+        ("left", True): jax.jit(lambda op, v: v @ op),
+        ("left", False): lambda op, v: v @ op,
+    }
+    for name, make in made.items():
+        for dim in (3, 16):
+            x = jnp.asarray(np.random.default_rng(dim).normal(size=(n, dim)), jnp.float32)
+            v, s = jnp.ones(n, jnp.float32), jnp.float32(1.3)
+            times = {case: [] for case in calls}
+            for _ in range(rounds + 1):  # the first round compiles
+                for case, call in calls.items():
+                    begin = time.perf_counter()
+                    jax.block_until_ready(call(LazyKernel(make(s), x, x), v))
+                    times[case].append(time.perf_counter() - begin)
+            ms = {case: np.median(t[1:]) * 1e3 for case, t in times.items()}
+            sides = [
+                f"{ms[side, True]:.2f} | {ms[side, False]:.2f} | {ms[side, False] / ms[side, True]:.2f}"
+                for side in ("right", "left")
+            ]
+            print(f"| {name} | {dim} | {' | '.join(sides)} |", flush=True)
+
+
+def laplace_pair(x, y, scale):
+    return jnp.exp(-jnp.sum(jnp.abs(x - y)) / scale)
 
 
 def split_table(n):
@@ -673,6 +711,7 @@ def machine():
 CPU_TABLES = dict(  # what a run without flags makes: every table but the accelerator ones
     kernels=8192,
     first_use=3000,
+    eager=3000,
     split=8192,
     blocks=16384,
     sides=8192,
@@ -688,6 +727,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kernels", type=int, metavar="N")
     parser.add_argument("--first-use", type=int, metavar="N")
+    parser.add_argument("--eager", type=int, metavar="N")
     parser.add_argument("--split", type=int, metavar="N")
     parser.add_argument("--blocks", type=int, metavar="N")
     parser.add_argument("--sides", type=int, metavar="N")
@@ -715,6 +755,8 @@ def main():
         kernels_table(args.kernels, gpjax)
     if args.first_use:
         first_use_table(args.first_use, gpjax)
+    if args.eager:
+        eager_table(args.eager, gpjax)
     if args.split:
         split_table(args.split)
     if args.blocks:

@@ -459,7 +459,10 @@ class LazyKernel:
         return _matmul(self, self._operand(other, "right"), _settings())
 
     def __rmatmul__(self, other):
-        return _rmatmul(self, self._operand(other, "left"), _settings())
+        x = self._operand(other, "left")
+        if x.ndim == 1:
+            return self.T @ x
+        return jnp.swapaxes(self.T @ jnp.swapaxes(x, -1, -2), -1, -2)  # X @ K = (K^T @ X^T)^T
 
     def _operand(self, other, side):
         """``other`` as a JAX array, with its size along K's ``side`` axis checked."""
@@ -583,14 +586,6 @@ def _matmul(op, x, settings):
     else:
         out = _product(op, rhs, dtype, op.block_rows)
     return jnp.moveaxis(out.reshape(m, *batch, k), 0, -2)
-
-
-@functools.partial(jax.jit, static_argnums=2)
-def _rmatmul(op, x, settings):
-    """``x @ op``, x [M], [k, M] or [..., k, M]: ``(op.T @ x^T)^T``, jitted as ``_matmul``."""
-    if x.ndim == 1:
-        return _matmul(op.T, x, settings)
-    return jnp.swapaxes(_matmul(op.T, jnp.swapaxes(x, -1, -2), settings), -1, -2)
 
 
 def _reverse_mode_policy(op):
