@@ -86,6 +86,29 @@ def _platform_device(platform):
 PLATFORM_DEVICES = {p: d for p in ("cpu", "gpu", "tpu") if (d := _platform_device(p)) is not None}
 
 
+def clear_caches():
+    """Forget every traced program, plan, measured peak and block: what was made before a patch cannot serve after."""
+    jax.clear_caches()
+    for cache in (lazy_kernel._PLANS, getattr(lazy_kernel, "_PEAKS", {}), getattr(lazy_kernel, "_BLOCKS", {})):
+        cache.clear()
+
+
+@pytest.fixture
+def monkeypatch():
+    """pytest's monkeypatch, clearing the caches after each patch and after the undo: a patched function or setting
+    never meets a program traced without it, nor a later test one traced with it, whatever order tests run in."""
+    with pytest.MonkeyPatch.context() as patch:
+        setattr_ = patch.setattr
+
+        def setattr_then_clear(*args, **kwargs):
+            setattr_(*args, **kwargs)
+            clear_caches()
+
+        patch.setattr = setattr_then_clear
+        yield patch
+    clear_caches()
+
+
 @pytest.fixture(params=sorted(PLATFORM_DEVICES), autouse=True)
 def device(request):
     """Run every test once per platform JAX sees (its id: ``-k tpu`` selects a TPU's runs), with that platform's
