@@ -182,6 +182,12 @@ def points(rng, n, dim, dtype):
     return jnp.asarray(rng.normal(size=(n, dim)), dtype)
 
 
+def plan_for(monkeypatch, backend):
+    """Plan blocks for ``backend`` whatever machine runs the test, the fused kernels interpreted (as CI runs them)."""
+    monkeypatch.setattr(lazy_kernel, "BACKEND", backend)
+    monkeypatch.setattr(lazy_kernel, "INTERPRET_PALLAS", True)
+
+
 @pytest.fixture(params=["layers on", "core alone"])
 def layers(request, monkeypatch):
     """Run a test with the optional layers (the default), and with the core alone: no layer refines a plan (test_
@@ -371,7 +377,7 @@ def test_one_plan_decides_each_block(backend, monkeypatch):
     def no_backend():
         raise AssertionError("jax.default_backend() read outside block_plan")
 
-    monkeypatch.setattr(lazy_kernel, "BACKEND", backend)
+    plan_for(monkeypatch, backend)
     monkeypatch.setattr(lazy_kernel.jax, "default_backend", no_backend)
     rng = np.random.default_rng(50)
     x1, x2, v = points(rng, 300, 3, jnp.float32), points(rng, 200, 3, jnp.float32), jnp.ones(200, jnp.float32)
@@ -398,7 +404,7 @@ def test_one_plan_decides_each_block(backend, monkeypatch):
 
 @pytest.mark.parametrize("backend", ["cpu", "tpu", "gpu"])
 def test_fastest_block_is_cache_sized_on_cpu_and_accelerator_sized_elsewhere(monkeypatch, backend):
-    monkeypatch.setattr(lazy_kernel, "BACKEND", backend)
+    plan_for(monkeypatch, backend)
     columns = 32768
     zeros = lambda rows, dim: jnp.zeros((rows, dim), jnp.float32)  # noqa: E731
     fastest = lambda kernel, dim, gradient: lazy_kernel._fastest_rows(  # noqa: E731
@@ -576,7 +582,7 @@ def test_accelerators_contraction_matches_dense(own_blocks, monkeypatch):
     blocks (X @ K by blocks of K's columns)."""
     if not hasattr(jax.lax, "optimization_barrier"):
         pytest.skip("JAX before 0.4.31 keeps one product")
-    monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
+    plan_for(monkeypatch, "tpu")
     monkeypatch.setattr(lazy_kernel, "CONTRACTION_CHUNK", 16)
     rng = np.random.default_rng(17)
     x1, x2, right, left = (
@@ -1425,7 +1431,7 @@ def test_accelerators_pair_program_matches_the_vmap_form(name, monkeypatch):
     written out (no loop), values as the vmap form; the gradient in the points as the vmap form's (the derivative
     an accelerator's blocks take: this checks the wiring), and, of blocks of K and of K.T alike, as central
     differences of the values (this checks the numbers, which the vmap form shares)."""
-    monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
+    plan_for(monkeypatch, "tpu")
     make, dim, dtype, params = ZOO[name]
     kernel = make(params)
     x1, x2 = zoo_points(dim, dtype, seed=len(name))
@@ -1556,7 +1562,7 @@ def test_zoo_hessians_match_the_vmap_form(name):
 def test_which_path_blocks_take(backend, monkeypatch):
     """On CPU the pair program takes every D; on an accelerator, D in ACCELERATOR_FEATURES, and from
     GEMM_FEATURES_MIN kernels whose squared distances of float32 points it takes by the GEMM."""
-    monkeypatch.setattr(lazy_kernel, "BACKEND", backend)
+    plan_for(monkeypatch, backend)
     on_cpu, few, pair = backend == "cpu", max(lazy_kernel.ACCELERATOR_FEATURES), "pair program"
     assert lazy_kernel.block_evaluation(RBF(), few) == lazy_kernel.block_evaluation(skewed, few) == pair
     assert lazy_kernel.block_evaluation(RBF(), few + 1) == (pair if on_cpu else "vmap")
@@ -1644,7 +1650,7 @@ def test_squared_distances_take_the_gemm_from_gemm_features_min(dim, backend, mo
     accuracy test_as_accurate_as_the_vmap_form checks at D = 256) from GEMM_FEATURES_MIN features on, on CPU and
     on an accelerator (faked here)."""
     if backend != "here":
-        monkeypatch.setattr(lazy_kernel, "BACKEND", backend)
+        plan_for(monkeypatch, backend)
     original, calls = lazy_kernel._squared_distance, []
     monkeypatch.setattr(lazy_kernel, "_squared_distance", lambda *args: calls.append(args) or original(*args))
     ls = jnp.linspace(0.5, 1.5, dim, dtype=jnp.float32)
@@ -1747,7 +1753,7 @@ def test_gemm_repairs_two_pairs_per_row(backend, monkeypatch):
     near point in a row sends the block to the exact sum. On CPU float64 points (float32 ones take the float64
     GEMM first); on an accelerator (faked) float32."""
     dtype = jnp.float64 if backend == "cpu" else jnp.float32
-    monkeypatch.setattr(lazy_kernel, "BACKEND", backend)
+    plan_for(monkeypatch, backend)
     monkeypatch.setattr(lazy_kernel, "_feature_sum", lambda size, feature, *_: jnp.full_like(feature(0), jnp.nan))
     dim = lazy_kernel.GEMM_FEATURES_MIN
     rng = np.random.default_rng(11)
@@ -2209,7 +2215,7 @@ def test_accelerators_blocks_as_accurate_as_the_vmap_form(name, dim, x64, monkey
     (no other test checks blocks written out at D = 21 to 64 against an oracle on CPU), and at GEMM_FEATURES_MIN,
     squared distances by the GEMM where the rule vouches, repaired pairs and blocks sent to the exact sum. Not
     through that test: its skip of D = 64 is for the CPU's own forms."""
-    monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
+    plan_for(monkeypatch, "tpu")
     with jax.default_device(jax.devices("cpu")[0]):
         assert_as_accurate_on_accuracy_data(name, dim, jnp.float32, x64)
 
@@ -2311,7 +2317,7 @@ def test_fused_column_digits_leave_room_for_blocks(monkeypatch):
     with a TPU's plan (faked; XLA:CPU's temporaries), N = 2048 and D = 256 within 32 MB keep blocks of many rows.
     Before, packing held 6x its output (float32 and int32 copies) and one row did not fit; on a TPU v5e, K @ v at
     N = 65536 and D = 256 then took 98x the GEMM's time, a row per block."""
-    monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
+    plan_for(monkeypatch, "tpu")
     zeros = jnp.zeros((2048, 256), jnp.float32)
     op = LazyKernel(RBF(jnp.float32(1.0), jnp.float32(1.3)), zeros, zeros, max_memory_mb=32)
     with warnings.catch_warnings():
@@ -2346,7 +2352,7 @@ def test_fused_kernel_is_one_mosaic_takes(dim, width, monkeypatch):
     on and a matmul precision set (as this suite has them) as with neither: no 64-bit value (Mosaic has none),
     digits multiplied at DEFAULT (Mosaic refuses HIGHEST on bf16); and it lowers for a TPU here. Before, a TPU v5e
     failed to compile the product's under this suite's settings."""
-    monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
+    plan_for(monkeypatch, "tpu")
 
     def kernels():
         op = lambda x: LazyKernel(RBF(jnp.float32(2.0), jnp.float32(1.3)), x, x, batch_size=256, checkpoint=True)  # noqa: E731
@@ -2409,7 +2415,7 @@ FUSED_KERNELS = fused_kernels()
 def test_which_kernels_the_fused_form_takes(name, backend, monkeypatch):
     """On a TPU, float32, from FUSED_FEATURES_MIN features: kernels of |s (x - y)|^2 with one scalar step s; not
     per-feature lengthscales, float64, a CPU, a kernel of no d^2, or with the layer switched off."""
-    monkeypatch.setattr(lazy_kernel, "BACKEND", backend)
+    plan_for(monkeypatch, backend)
     make, _ = FUSED_KERNELS[name]
     dim = lazy_kernel.FUSED_FEATURES_MIN
 
@@ -2423,6 +2429,18 @@ def test_which_kernels_the_fused_form_takes(name, backend, monkeypatch):
     assert not fused(functools.partial(scaled_laplace, scale=1.3))  # no d^2
     monkeypatch.setattr(lazy_kernel, "FUSED_PRODUCT", False)
     assert not fused(make(0.9))
+
+
+@FUSED_ON_CPU
+def test_planning_for_a_tpu_compiles_the_fused_kernels_unless_told_to_interpret(monkeypatch):
+    """BACKEND says which chip blocks are planned for, INTERPRET_PALLAS alone whether Pallas is interpreted: a user
+    who sets BACKEND on a chip gets compiled kernels, checked against the chip's VMEM."""
+    monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
+    monkeypatch.setattr(lazy_kernel, "_vmem_bytes", lambda: 128 * 2**20)
+    product = lazy_kernel.block_plan(RBF(jnp.float32(2.0)), 16).product
+    assert isinstance(product, lazy_kernel.FusedProduct) and not product.interpret
+    monkeypatch.setattr(lazy_kernel, "INTERPRET_PALLAS", True)
+    assert lazy_kernel.block_plan(RBF(jnp.float32(2.0)), 16).product.interpret
 
 
 @FUSED_ON_CPU
@@ -2450,7 +2468,7 @@ def test_fused_products_match_numpy(dim, width, count, monkeypatch):
     the points rounded to its grid: with 4, 100 lengthscales from the origin (where a float32 GEMM's d^2 errs by
     1e-3), with 3, N(0, 1); within 16 eps of the scale (|K| |X|); ragged sizes (neither a multiple of the tiles),
     1 to 64 columns, bf16 and int8 digits, under jit and vmap."""
-    monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
+    plan_for(monkeypatch, "tpu")
     monkeypatch.setattr(lazy_kernel, "DIGIT_COUNTS", (count,))
     rng = np.random.default_rng(dim + width)
     ls = float(np.float32(np.sqrt(dim / 3)))
@@ -2479,7 +2497,7 @@ def test_fused_gradients_as_accurate_as_the_vmap_form(name, dim, monkeypatch):
     fused backward (a TPU faked, Pallas interpreted): against NumPy float64, within 4x the vmap form's error plus
     16 eps of the scale, on N(0, 1), points 1000 out, near-duplicates, a tight cluster, two far apart (every
     pair of weight a near one) and twins one ulp apart (see twins); the backward's kernels run."""
-    monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
+    plan_for(monkeypatch, "tpu")
     ls = float(np.float32(np.sqrt(dim / 3)))
     rng = np.random.default_rng(dim)
     base = rng.normal(size=(160, dim))
@@ -2548,7 +2566,7 @@ def assert_gradients_within_contract(fused, vmapped, x1, x2, v, ls, family, vari
 def test_fused_gradients_on_real_data(monkeypatch):
     """The test above on scikit-learn's digits (D = 64), standardised, at lengthscale 1: 150 rows and 10 of them
     again (distance zero)."""
-    monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
+    plan_for(monkeypatch, "tpu")
     data = real_data("digits")
     rng = np.random.default_rng(6)
     rows = rng.choice(len(data), 150, replace=False)
@@ -2564,7 +2582,7 @@ def test_fused_derivatives_match_the_vmap_form(monkeypatch):
     scale is the sum of the terms' magnitudes): forward mode, the hessian (reverse and forward over forward), the
     gradient of a jvp, vmap of the gradient, grad of grad, w @ K's gradient and a 3-column operand's (the unfused vjp
     behind the fused product)."""
-    monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
+    plan_for(monkeypatch, "tpu")
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.normal(size=(96, 16)), jnp.float32)
     v, w = (jnp.asarray(rng.uniform(-0.25, 1, size=shape), jnp.float32) for shape in ((96,), (96, 3)))
@@ -2683,7 +2701,7 @@ def test_fused_forms_over_several_tiles(width, monkeypatch):
     """With tiles of 32 x 128 pairs, a block of 64 rows against 300 columns is 2 x 3 tiles: K @ X, X @ K and (one
     column) the fused backward's gradient in the lengthscale, x1, x2 and v, against NumPy float64 within the
     contract. Each tile's product is added into its rows' sums; the backward's column sums add every row tile."""
-    monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
+    plan_for(monkeypatch, "tpu")
     monkeypatch.setattr(lazy_kernel, "FUSED_TILES", lazy_kernel.FusedTiles(rows=32, cols=128))
     rng = np.random.default_rng(width)
     ls = float(np.float32(np.sqrt(16 / 3)))
@@ -2725,7 +2743,7 @@ def test_fused_branches_follow_the_rule(name, monkeypatch):
     for Matern 5/2, whose backward's limits are lower: the product and the backward each take the branch the rule
     gives them (3 digits, 4 digits, or the unfused form), and K @ v, v @ K and the gradient in the lengthscale, x1, x2
     and v are within the contract there. One compile per kernel: the branch is chosen as the program runs."""
-    monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
+    plan_for(monkeypatch, "tpu")
     taken = branches_taken(monkeypatch)
     dim, ls = 16, 1.5
     make = FUSED_KERNELS[name][0] if name in FUSED_KERNELS else pytest.skip("gpjax is in the 'interop' extra")
@@ -2772,7 +2790,7 @@ def test_fused_branches_follow_the_rule(name, monkeypatch):
 def test_fused_form_leaves_half_the_budget_for_blocks(monkeypatch):
     """The columns' digits (and grid moves) of N = 2048 points at D = 16 take about 6.3 MiB: within a budget of 4
     MiB (half of it 2) the product is not fused; within 64 MiB it is."""
-    monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
+    plan_for(monkeypatch, "tpu")
     x = jnp.asarray(np.random.default_rng(0).normal(size=(2048, 16)), jnp.float32)
 
     def fused(budget):
@@ -2794,7 +2812,7 @@ def twins(base, ls):
 def test_fused_backward_sums_squares_only_for_pairs_nearer_than_the_grid(monkeypatch):
     """The cotangent of s^2 comes from the grid and the grid's moves on N(0, 1) and on two tight clusters far
     apart; from the differences' squares (a second pass, here made NaN) on twins one ulp apart (see twins)."""
-    monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
+    plan_for(monkeypatch, "tpu")
     backward = lazy_kernel._fused_backward
 
     def no_squares(*args, squares=False, **kwargs):
@@ -2827,7 +2845,7 @@ def test_fused_rule_vouches_where_the_grid_keeps_the_contract(name, monkeypatch)
     """The rule: lambda = |tail' / tail| taken at d^2 from 0 to 64 (RBF: 1/2; Matern 5/2: 5/6 at 0); 3 digits for
     points spread over a lengthscale or two (RBF: |s| R up to about 4), wherever they lie, 4 over 8, neither over 2000
     (there the product is the unfused form's); Matern 1/2 (a square root of d^2) never."""
-    monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
+    plan_for(monkeypatch, "tpu")
     make, _ = FUSED_KERNELS[name]
     x = jnp.asarray(np.random.default_rng(0).uniform(-1, 1, size=(50, 16)), jnp.float32)
     fusion, near = fused_rule(make(1.0), x)
@@ -2866,7 +2884,7 @@ def test_fused_products_as_accurate_as_the_vmap_form(name, dim, monkeypatch, dev
     spread over 1 to 1000 lengthscales (the rule sends the farthest to the unfused form), at distance zero, near
     pairs, far from the origin and in tight clusters."""
     if device.platform != "tpu":
-        monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
+        plan_for(monkeypatch, "tpu")
     rng = np.random.default_rng(dim)
     ls = np.array(0.9)
     make = ACCURACY_KERNELS[name][0]
@@ -3076,6 +3094,82 @@ def test_budget_bounds_the_peak_at_scale(dim, n, device):
         measured = (op.T if transposed else op).measure(width, wrt)
         assert measured.peak_mb <= measured.limit_mb, (name, measured)
         assert temps[name] == pytest.approx(measured.peak_mb * 2**20, rel=0.05, abs=2**20), (name, measured)
+
+
+@jax.tree_util.register_pytree_node_class
+class RBFByVmap(RBF):
+    """lazy_kernel.RBF whose blocks are the vmap form (the reference), by a cross_covariance that is not a bare vmap."""
+
+    def cross_covariance(self, x1, x2):
+        return lazy_kernel._vmap_block(self, x1, x2) * 1
+
+
+def linear_loss_oracle(x1, x2, ls, variance, v, w, wide):
+    """NumPy float64, without [M, N, D] arrays: K @ v, K @ wide, w @ K and the gradient of w.(K @ v) in (ls, x1, x2,
+    v) for RBF(ls, variance), each with its scale (the largest sum of its terms' magnitudes)."""
+    x1, x2, v, w, wide = (np.asarray(a, np.float64) for a in (x1, x2, v, w, wide))
+    middle = x1.mean(0)
+    a, b = x1 - middle, x2 - middle  # d^2 by a float64 GEMM on centred points: within D eps64 of their squares
+    d2 = np.maximum((a * a).sum(1)[:, None] + (b * b).sum(1)[None] - 2 * a @ b.T, 0) / ls**2
+    k = variance * np.exp(-0.5 * d2)
+    c, c_abs = np.outer(w, v) * k, np.outer(np.abs(w), np.abs(v)) * k  # K's cotangent times dK/dz's -2 factor
+    return {
+        "K @ v": (k @ v, np.max(k @ np.abs(v))),
+        "K @ X": (k @ wide, np.max(k @ np.abs(wide))),
+        "w @ K": (w @ k, np.max(np.abs(w) @ k)),
+        "lengthscale": ((c * d2).sum() / ls, (c_abs * d2).sum() / ls),
+        "x1": (
+            (c @ b - c.sum(1)[:, None] * a) / ls**2,
+            np.max(c_abs @ np.abs(b) + c_abs.sum(1)[:, None] * np.abs(a)) / ls**2,
+        ),
+        "x2": (
+            (c.T @ a - c.sum(0)[:, None] * b) / ls**2,
+            np.max(c_abs.T @ np.abs(a) + c_abs.sum(0)[:, None] * np.abs(b)) / ls**2,
+        ),
+        "v": (k.T @ w, np.max(np.abs(w) @ k)),
+    }
+
+
+@AT_SCALE
+@pytest.mark.parametrize(
+    "dim, digits, offset, n",
+    [(16, 3, 0.0, 16384), (64, 4, 1000.0, 16384), (128, 3, 0.0, 16384), (256, 4, 1000.0, 8192)],
+)
+def test_fused_form_at_scale(dim, digits, offset, n, device, monkeypatch):
+    """On the chip, full size, x1 != x2: the fused form of ``digits`` digits (bf16 digits to D = 64, int8 from 128),
+    K @ v, K @ X, w @ K and the checkpointed gradient of w.(K @ v) in the lengthscale, x1, x2 and v against NumPy
+    float64, within 4x the vmap form's error plus 16 eps of the scale. Points spread about the lengthscale, a few
+    10 lengthscales out where 4 digits are wanted (the grid spans the farthest), ``offset`` lengthscales from the
+    origin."""
+    if device.platform != "tpu":
+        pytest.skip(ON_A_CHIP)
+    taken = branches_taken(monkeypatch)
+    rng = np.random.default_rng(dim + digits)
+    ls, variance = np.float32(np.sqrt(dim)), np.float32(1.3)
+    x1, x2 = (rng.normal(size=(size, dim)) for size in (n, n - n // 4))
+    if digits == 4:
+        x1[:8, 0] += 10 * np.sqrt(dim)
+    x1, x2 = (np.asarray(x + offset * ls, np.float32) for x in (x1, x2))
+    v, w = (
+        np.asarray(rng.uniform(-0.25, 1, size=len(x2)), np.float32),
+        np.asarray(rng.uniform(-0.25, 1, size=n), np.float32),
+    )
+    wide = np.asarray(rng.uniform(-0.25, 1, size=(len(x2), 16)), np.float32)
+
+    def results(make, ls, x1, x2, v, w, wide):
+        op = lambda ls, x1, x2: LazyKernel(make(ls, variance), x1, x2, checkpoint=True)  # noqa: E731
+        loss = lambda ls, x1, x2, v: jnp.vdot(w, op(ls, x1, x2) @ v)  # noqa: E731
+        k = op(ls, x1, x2)
+        return (k @ v, k @ wide, w @ k, *jax.grad(loss, argnums=(0, 1, 2, 3))(ls, x1, x2, v))
+
+    args = [jnp.asarray(a) for a in (ls, x1, x2, v, w, wide)]
+    fused = jax.jit(functools.partial(results, RBF))(*args)
+    vmapped = jax.jit(functools.partial(results, RBFByVmap))(*args)
+    assert taken["product"] == {digits - 3}, taken
+    assert dim > lazy_kernel.FUSED_BACKWARD_FEATURES_MAX or taken["backward"] == {digits - 3}, taken
+    truth = linear_loss_oracle(x1, x2, ls, variance, v, w, wide)
+    for got, vmap, (want, scale) in zip(fused, vmapped, truth.values(), strict=True):
+        within_contract(got, vmap, want, scale)
 
 
 # -- many devices and processes: jax.shard_map --------------------------------------
