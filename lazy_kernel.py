@@ -456,7 +456,10 @@ class LazyKernel:
     # -- products ------------------------------------------------------------
 
     def __matmul__(self, other):
-        return _matmul(self, self._operand(other, "right"), _settings())
+        x = self._operand(other, "right")
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves((self, x))):
+            return _matmul(self, x)  # traced: compiled with the program around it
+        return _compiled_matmul(self, x, _settings())
 
     def __rmatmul__(self, other):
         x = self._operand(other, "left")
@@ -570,12 +573,10 @@ class LazyKernel:
         return op
 
 
-@functools.partial(jax.jit, static_argnums=2)
-def _matmul(op, x, settings):
-    """``op @ x``, x [N], [N, k] or [..., N, k], jitted: a product compiles once per structure (the kernel's pytree
-    or program, shapes, dtypes, ``settings``), not on every call outside ``jit``."""
+def _matmul(op, x):
+    """``op @ x``, x [N], [N, k] or [..., N, k]."""
     if x.ndim == 1:
-        return _matmul(op, x[:, None], settings)[:, 0]
+        return _matmul(op, x[:, None])[:, 0]
     m, n = op.shape
     dtype = jnp.result_type(op.dtype, x.dtype)
     batch, k = x.shape[:-2], x.shape[-1]
@@ -586,6 +587,13 @@ def _matmul(op, x, settings):
     else:
         out = _product(op, rhs, dtype, op.block_rows)
     return jnp.moveaxis(out.reshape(m, *batch, k), 0, -2)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _compiled_matmul(op, x, settings):
+    """``_matmul`` outside ``jit``: compiled once per structure (the kernel's pytree, shapes, dtypes) and
+    ``settings``, not on every call."""
+    return _matmul(op, x)
 
 
 def _reverse_mode_policy(op):
