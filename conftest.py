@@ -93,20 +93,24 @@ def clear_caches():
         cache.clear()
 
 
-@pytest.fixture
-def monkeypatch():
+class CacheClearingMonkeyPatch(pytest.MonkeyPatch):
     """pytest's monkeypatch, clearing the caches after each patch and after the undo: a patched function or setting
     never meets a program traced without it, nor a later test one traced with it, whatever order tests run in."""
-    with pytest.MonkeyPatch.context() as patch:
-        setattr_ = patch.setattr
 
-        def setattr_then_clear(*args, **kwargs):
-            setattr_(*args, **kwargs)
-            clear_caches()
+    def setattr(self, *args, **kwargs):
+        super().setattr(*args, **kwargs)
+        clear_caches()
 
-        patch.setattr = setattr_then_clear
-        yield patch
-    clear_caches()
+    def undo(self):
+        super().undo()
+        clear_caches()
+
+
+@pytest.fixture
+def monkeypatch():
+    patch = CacheClearingMonkeyPatch()
+    yield patch
+    patch.undo()
 
 
 @pytest.fixture(params=sorted(PLATFORM_DEVICES), autouse=True)

@@ -1958,7 +1958,7 @@ def _compiled_peak(op, width, dtype, rows, differentiated):
     def product(kernel, x1, x2, rhs):
         arrays = iter(kernel)
         kernel = treedef.unflatten([next(arrays) if _is_array(a) else a for a in leaves])
-        settings = dict(batch_size=rows, checkpoint=op.checkpoint)
+        settings = dict(batch_size=rows, checkpoint=op.checkpoint, max_memory_mb=op.max_memory_mb)  # as op runs
         measured = LazyKernel(kernel, x2, x1, **settings).T if op.transposed else LazyKernel(kernel, x1, x2, **settings)
         return _product(measured, rhs, dtype, rows)
 

@@ -479,6 +479,23 @@ def test_products_outside_jit_compile_once_per_structure(gpjax):
         assert_close(left, np.asarray(w, np.float64) @ dense, jnp.float32)
 
 
+def test_a_patch_reaches_programs_compiled_before_it_and_outlives_none(monkeypatch):
+    """Whatever ran before: a patch of what plans and programs read (conftest's monkeypatch) changes the product of
+    an operator compiled and cached before it, and its undo brings the same numbers back."""
+    rng = np.random.default_rng(22)
+    x, wide = points(rng, 40, 3, jnp.float32), points(rng, 40, 4, jnp.float32)
+    op = LazyKernel(RBF(jnp.float32(0.9)), x, x)
+    dense = dense_oracle(functools.partial(rbf_np, lengthscale=0.9, variance=1.0), x, x) @ np.asarray(wide, np.float64)
+    before = op @ wide
+    contract = lazy_kernel._contract
+    rounded = lambda block, rhs, *a: contract(block, jax.lax.reduce_precision(rhs, 8, 7), *a)  # noqa: E731
+    monkeypatch.setattr(lazy_kernel, "_contract", rounded)  # a bf16 operand
+    patched = op @ wide
+    monkeypatch.undo()
+    assert np.max(np.abs(patched - dense)) > 1e-3 > 1e-5 > np.max(np.abs(before - dense))
+    np.testing.assert_array_equal(op @ wide, before)
+
+
 def test_converting_to_an_array_is_refused_with_the_way_to_materialise():
     op = LazyKernel(RBF(), np.zeros((4, 2)), np.zeros((5, 2)))
     with pytest.raises(TypeError, match=r"to_dense\(\)"):
@@ -2429,6 +2446,22 @@ def test_which_kernels_the_fused_form_takes(name, backend, monkeypatch):
     assert not fused(functools.partial(scaled_laplace, scale=1.3))  # no d^2
     monkeypatch.setattr(lazy_kernel, "FUSED_PRODUCT", False)
     assert not fused(make(0.9))
+
+
+@FUSED_ON_CPU
+@pytest.mark.filterwarnings("ignore:.*one row of a block needs")
+@pytest.mark.parametrize("budget_mb", [0.05, 64])
+def test_measure_compiles_the_program_that_runs_with_the_fused_layer(budget_mb, monkeypatch):
+    """measure() compiles the program K @ v runs at its budget (a TPU faked): the unfused one where the columns'
+    digits take over half of it, else the fused one; XLA's temporaries agree. (It once measured the fused program
+    at the default budget where the unfused one ran: 7.4 MB against 0.5 on a v5e.)"""
+    plan_for(monkeypatch, "tpu")
+    rng = np.random.default_rng(3)
+    x1, x2, v = points(rng, 300, 16, jnp.float32), points(rng, 200, 16, jnp.float32), jnp.ones(200, jnp.float32)
+    program = lambda x1, x2, v: LazyKernel(RBF(jnp.float32(4.0)), x1, x2, max_memory_mb=budget_mb) @ v  # noqa: E731
+    measured = LazyKernel(RBF(jnp.float32(4.0)), x1, x2, max_memory_mb=budget_mb).measure()
+    assert bool(pallas_calls(jax.make_jaxpr(program)(x1, x2, v).jaxpr)) == (budget_mb == 64)
+    assert measured.peak_mb * 2**20 == pytest.approx(temp_bytes(program, x1, x2, v), rel=0.05, abs=4096)
 
 
 @FUSED_ON_CPU
