@@ -14,7 +14,8 @@ Reading map. The core comes first and runs alone: 1. kernels; 2. the plan
 (``block_plan``: how a block is made, sized, multiplied and contracted, once
 per kernel structure, D, dtype and backend; each optional layer refines it
 through ``_LAYERS``, the core's one seam); 3. the engine (``_blockwise_matmul``,
-the loop above); 4. the operator (``LazyKernel``); 5. the check (``python
+the loop above); 4. the operator (``LazyKernel``, and ``KernelSum``: its sums,
+multiples and ``solve``); 5. the check (``python
 lazy_kernel.py``). Optional layers follow, each one span between ``# ---
 begin optional layer`` and ``# --- end optional layer`` lines (delete one, and
 those that need it, and the rest runs): the pair program (``PairProgramForm``:
