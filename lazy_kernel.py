@@ -14,7 +14,8 @@ Reading map. The core comes first and runs alone: 1. kernels; 2. the plan
 (``block_plan``: how a block is made, sized, multiplied and contracted, once
 per kernel structure, D, dtype and backend; each optional layer refines it
 through ``_LAYERS``, the core's one seam); 3. the engine (``_blockwise_matmul``,
-the loop above); 4. the operator (``LazyKernel``); 5. the check (``python
+the loop above); 4. the operator (``LazyKernel``, and ``KernelSum``: its sums,
+multiples and ``solve``); 5. the check (``python
 lazy_kernel.py``). Optional layers follow, each one span between ``# ---
 begin optional layer`` and ``# --- end optional layer`` lines (delete one, and
 those that need it, and the rest runs): the pair program (``PairProgramForm``:
@@ -49,11 +50,13 @@ import numpy as np
 
 __all__ = [
     "CrossCovarianceKernel",
+    "KernelSum",
     "LazyKernel",
     "Measurement",
     "PairKernel",
     "Plan",
     "RBF",
+    "SolveInfo",
     "block_evaluation",
     "block_plan",
     "kernel_block",
@@ -469,7 +472,7 @@ class LazyKernel:
 
     def _operand(self, other, side):
         """``other`` as a JAX array, with its size along K's ``side`` axis checked."""
-        if isinstance(other, LazyKernel):
+        if isinstance(other, (LazyKernel, KernelSum)):
             raise TypeError("the product of two LazyKernels is not supported; multiply by arrays")
         x = jnp.asarray(other)
         if x.ndim == 0:
@@ -539,6 +542,45 @@ class LazyKernel:
         k = min(self.shape)
         x1, x2 = jnp.asarray(self.x1)[:k], jnp.asarray(self.x2)[:k]
         return jax.vmap(self.kernel)(*((x2, x1) if self.transposed else (x1, x2))).astype(self.dtype)
+
+    # -- algebra: c * K, K1 + K2, K + diag(d) give a KernelSum; solve ------------
+
+    def __add__(self, other):
+        """``A + B``, both of one shape; kernels on the same points (the same ``x1`` and ``x2`` objects) are added
+        into one kernel, one loop of blocks."""
+        return _sum(self, other) if isinstance(other, (LazyKernel, KernelSum)) else NotImplemented
+
+    def __sub__(self, other):
+        return _sum(self, -other) if isinstance(other, (LazyKernel, KernelSum)) else NotImplemented
+
+    def __mul__(self, scalar):
+        """``c * A``, ``A * c``, ``c`` a Python or JAX scalar, traced or not."""
+        return _scaled(self, scalar, jnp.multiply)
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, scalar):
+        return _scaled(self, scalar, jnp.divide)
+
+    def __neg__(self):
+        return _scaled(self, -1, jnp.multiply)
+
+    def add_diagonal(self, d) -> KernelSum:
+        """``A + diag(d)`` for a square A, ``d`` a scalar or [M]: ``K.add_diagonal(noise)`` is K + noise I."""
+        (m, n), d = self.shape, jnp.asarray(d)
+        if m != n or d.shape not in ((), (m,)):
+            raise ValueError(f"add_diagonal: A must be square and d a scalar or [{m}]; got A {self.shape}, d {d.shape}")
+        op = _as_sum(self)
+        return KernelSum(op.terms, _plus(op.added, jnp.broadcast_to(d, (m,))))
+
+    def solve(self, y, *, rtol=None, max_steps=None, preconditioner=None, return_info=False):
+        """``A^-1 y`` for a symmetric positive definite A, y [M] or [M, k] (its columns together), by conjugate
+        gradients: each column until its residual, as CG updates it, is within ``rtol |y|`` (default 32 eps of the
+        dtype, 3.8e-6 in float32: twice the 16 eps of ``|A| |x|`` a product may err by, the least a residual computed
+        with them shows) or ``max_steps`` (default ``10 M``, SciPy's). ``preconditioner``: ``r -> P^-1 r``, P near
+        A and symmetric positive definite. Gradients solve the adjoint system (``jax.lax.custom_linear_solve``), not
+        through the steps. ``return_info=True``: ``(x, SolveInfo(steps, residual))``."""
+        return _solve(self, y, rtol, max_steps, preconditioner, return_info)
 
     def __repr__(self):
         plan = self.plan
@@ -618,6 +660,158 @@ def _reverse_mode_policy(op):
         return True
 
     return save_every_value
+
+
+@jax.tree_util.register_pytree_node_class
+class KernelSum:
+    """``sum_i c_i K_i + diag(d)``, what ``c * K``, ``K1 + K2``, ``K1 - K2`` and ``K.add_diagonal(d)`` give, never
+    stored whole: ``@`` on both sides (NumPy's matmul rules), ``.T``, ``diagonal()``, ``to_dense()`` and
+    LazyKernel's algebra and ``solve``. ``terms``: pairs (c_i, K_i) of a scalar and a LazyKernel, one for each set
+    of points; ``added``: d, [M], or None. A pytree."""
+
+    __array_ufunc__ = None  # NumPy arrays on the left defer to __rmatmul__
+    __add__, __sub__, __neg__ = LazyKernel.__add__, LazyKernel.__sub__, LazyKernel.__neg__
+    __mul__ = __rmul__ = LazyKernel.__mul__
+    __truediv__, add_diagonal, solve = LazyKernel.__truediv__, LazyKernel.add_diagonal, LazyKernel.solve
+
+    def __init__(self, terms, added):
+        self.terms, self.added = tuple(terms), added
+
+    @property
+    def shape(self):
+        return self.terms[0][1].shape
+
+    @property
+    def dtype(self):
+        added = () if self.added is None else (self.added,)
+        return jnp.result_type(*added, *(c for c, _ in self.terms), *(k.dtype for _, k in self.terms))
+
+    def __matmul__(self, other):
+        out = sum(c * (k @ other) for c, k in self.terms)
+        if self.added is None:
+            return out
+        x = jnp.asarray(other)
+        return out + (self.added[:, None] if x.ndim > 1 else self.added) * x
+
+    def __rmatmul__(self, other):
+        out = sum(c * (other @ k) for c, k in self.terms)
+        return out if self.added is None else out + jnp.asarray(other) * self.added
+
+    @property
+    def T(self) -> KernelSum:
+        return KernelSum([(c, k.T) for c, k in self.terms], self.added)
+
+    def to_dense(self) -> jax.Array:
+        """The whole [M, N] matrix (it is materialised: for small problems and checks)."""
+        dense = sum(c * k.to_dense() for c, k in self.terms)
+        return dense if self.added is None else dense + jnp.diag(self.added)
+
+    def diagonal(self) -> jax.Array:
+        diagonal = sum(c * k.diagonal() for c, k in self.terms)
+        return diagonal if self.added is None else diagonal + self.added
+
+    def __repr__(self):
+        return f"KernelSum(terms={list(self.terms)!r}, added={self.added!r})"
+
+    def tree_flatten(self):
+        return (self.terms, self.added), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+
+
+def _as_sum(op):
+    """``op`` as a KernelSum: a LazyKernel K as 1 K."""
+    return op if isinstance(op, KernelSum) else KernelSum([(jnp.asarray(1), op)], None)
+
+
+def _scaled(op, scalar, times):
+    """``times(op, scalar)``, ``times`` multiplying or dividing; NotImplemented unless ``scalar`` is a scalar."""
+    if isinstance(scalar, (LazyKernel, KernelSum)) or jnp.ndim(scalar) != 0:
+        return NotImplemented
+    op = _as_sum(op)
+    added = None if op.added is None else times(op.added, scalar)
+    return KernelSum([(times(c, scalar), k) for c, k in op.terms], added)
+
+
+def _sum(a, b):
+    """``a + b``: a term of b on the points of one of a's is added into that one's kernel."""
+    if a.shape != b.shape:
+        raise ValueError(f"cannot add operators of shapes {a.shape} and {b.shape}")
+    a, b = _as_sum(a), _as_sum(b)
+    on_points = {(id(k.x1), id(k.x2), k.transposed): (c, k) for c, k in a.terms}
+    for c, k in b.terms:
+        points = (id(k.x1), id(k.x2), k.transposed)
+        on_points[points] = (jnp.asarray(1), _fused(*on_points[points], c, k)) if points in on_points else (c, k)
+    return KernelSum(on_points.values(), _plus(a.added, b.added))
+
+
+def _plus(added, d):
+    """Two added diagonals, each [M] or None, added."""
+    return d if added is None else added if d is None else added + d
+
+
+def _weighted_sum(c1, k1, c2, k2, x, y):
+    """``c1 k1(x, y) + c2 k2(x, y)``, in a ``Partial`` a pytree kernel of both; no ``cross_covariance``, were one of
+    them to have one: its blocks are the pair call's."""
+    return c1 * k1(x, y) + c2 * k2(x, y)
+
+
+def _fused(c1, k1, c2, k2):
+    """``c1 K1 + c2 K2``, both on the same points, as one LazyKernel (the least budget and batch size)."""
+    if k1.transposed:
+        return _fused(c1, k1.T, c2, k2.T).T
+    kernel = jax.tree_util.Partial(_weighted_sum, c1, k1.kernel, c2, k2.kernel)
+    sizes = [size for size in (k1.batch_size, k2.batch_size) if size is not None]
+    settings = dict(max_memory_mb=min(k1.max_memory_mb, k2.max_memory_mb), checkpoint=k1.checkpoint or k2.checkpoint)
+    return LazyKernel(kernel, k1.x1, k1.x2, batch_size=min(sizes, default=None), **settings)
+
+
+class SolveInfo(NamedTuple):
+    """How ``A.solve(y, return_info=True)`` ended."""
+
+    steps: jax.Array  # conjugate-gradient steps taken, each one product A @ (y-sized)
+    residual: jax.Array  # |y - A x| / |y| per column of y (a scalar for y [M]), by one more product
+
+
+def _solve(op, y, rtol, max_steps, preconditioner, return_info):
+    """``op.solve``: preconditioned conjugate gradients, each column of y with its own step sizes."""
+    (m, n), y = op.shape, jnp.asarray(y)
+    if m != n or y.ndim not in (1, 2) or y.shape[0] != m:
+        raise ValueError(f"solve: A must be square and y [{m}] or [{m}, k]; got A {op.shape}, y {y.shape}")
+    y = y.astype(jnp.result_type(op.dtype, y.dtype))
+    rtol = 32 * jnp.finfo(y.dtype).eps if rtol is None else rtol
+    max_steps = 10 * m if max_steps is None else max_steps
+    precondition = preconditioner or (lambda r: r)
+
+    def conjugate_gradients(matvec, b):
+        b_norm = jnp.linalg.norm(b, axis=0)
+        unfinished = lambda r: jnp.linalg.norm(r, axis=0) > rtol * b_norm  # noqa: E731
+
+        def step(state):
+            x, r, p, rz, steps = state
+            q, active = matvec(p), unfinished(r)
+            alpha = jnp.where(active, rz / jnp.sum(p * q, 0), 0)  # finished columns stay as they are
+            x, r = x + alpha * p, r - alpha * q
+            z = precondition(r)
+            rz_next = jnp.sum(r * z, 0)
+            return x, r, z + jnp.where(active, rz_next / rz, 0) * p, rz_next, steps + 1
+
+        z = precondition(b)
+        # 0, from b: under jax.shard_map it varies over devices as b does (JAX 0.10's custom_linear_solve refuses a
+        # constant 0 there, XLA 0.4 the loop holding one)
+        no_steps = jnp.sum(b_norm < 0, dtype=jnp.int32)
+        start = (jnp.zeros_like(b), b, z, jnp.sum(b * z, 0), no_steps)
+        running = lambda state: (state[-1] < max_steps) & jnp.any(unfinished(state[1]))  # noqa: E731
+        x, *_, steps = jax.lax.while_loop(running, step, start)
+        return x, steps
+
+    x, steps = jax.lax.custom_linear_solve(lambda v: op @ v, y, conjugate_gradients, symmetric=True, has_aux=True)
+    if not return_info:
+        return x
+    y_norm = jnp.maximum(jnp.linalg.norm(y, axis=0), jnp.finfo(y.dtype).tiny)
+    return x, SolveInfo(steps, jnp.linalg.norm(y - op @ x, axis=0) / y_norm)
 
 
 # --------------------------------------------------------------------------

@@ -852,6 +852,234 @@ def test_bad_operands_are_refused():
         op @ op.T
 
 
+# -- the algebra and the solve: c * K, K1 + K2, K.add_diagonal(d), A.solve(y) ----------------------------------
+
+
+def rbf_wide_np(x, y):
+    return rbf_np(x, y, 1.3, 0.5)
+
+
+@settings(max_examples=6)
+@given(
+    m=st.integers(1, 9),
+    n=st.integers(1, 9),
+    kernel_name=st.sampled_from(sorted(KERNELS)),
+    transposed=st.booleans(),
+    rank=st.sampled_from([1, 2, 3]),
+    dtype=st.sampled_from([jnp.float32, jnp.float64]),
+    c1=st.floats(-3, 3).filter(lambda c: abs(c) > 0.1),
+    c2=st.sampled_from([-2.5, 0.4, 3]),
+    diagonal=st.sampled_from([None, "scalar", "vector"]),
+    seed=st.integers(0, 2**16),
+)
+@example(9, 9, "skewed-cross-covariance", True, 3, jnp.float32, -1.5, 0.4, "vector", 0)  # its own blocks, summed
+@example(7, 4, "skewed-function", False, 1, jnp.float64, 2.0, -2.5, None, 0)
+def test_sums_and_multiples_match_dense(m, n, kernel_name, transposed, rank, dtype, c1, c2, diagonal, seed):
+    """``c1 K1 - K2 / c2 - K3`` (``+ diag(d)``) against NumPy float64: K1 (of each kernel kind) and K2 on the same
+    points, added into one kernel; K3 on other points. With ``transposed``, each K is built as a LazyKernel's .T."""
+    rng = np.random.default_rng(seed)
+    kernel, kernel_np = KERNELS[kernel_name]
+    n = m if diagonal else n  # add_diagonal takes square operators
+    x1, x2, x3, x4 = (points(rng, size, 2, dtype) for size in (m, n, m, n))
+
+    def operator(kernel, kernel_np, a, b, batch_size):  # K[i, j] = kernel(a[i], b[j]), and its dense twin
+        if transposed:
+            return LazyKernel(kernel, b, a, batch_size=batch_size).T, dense_oracle(kernel_np, b, a).T
+        return LazyKernel(kernel, a, b, batch_size=batch_size), dense_oracle(kernel_np, a, b)
+
+    (k1, d1), (k2, d2), (k3, d3) = (
+        operator(kernel, kernel_np, x1, x2, 3),
+        operator(RBF(1.3, 0.5), rbf_wide_np, x1, x2, 4),
+        operator(RBF(0.8, 1.7), rbf_np, x3, x4, 5),
+    )
+    op, want, magnitude = c1 * k1 - k2 / c2 - k3, c1 * d1 - d2 / c2 - d3, abs(c1) * d1 + d2 / abs(c2) + d3
+    if diagonal:
+        d = 0.7 if diagonal == "scalar" else np.asarray(rng.uniform(0.5, 1, size=m), dtype)
+        op, want, magnitude = op.add_diagonal(d), want + np.diag(np.broadcast_to(d, m)), magnitude + 1
+    assert len(op.terms) == 2 and op.shape == (m, n) and op.dtype == dtype
+    right_shape, left_shape = OPERAND_SHAPES[rank](m, n)
+    right, left = (np.asarray(np.asarray(rng.normal(size=s), dtype), np.float64) for s in (right_shape, left_shape))
+    left_t = transpose(left)
+
+    @jax.jit  # one program for every result: one compile
+    def results(op, right, left, left_t):
+        return op @ right, left @ op, op.T @ left_t, op.to_dense(), op.T.to_dense(), op.diagonal()
+
+    product, *others = results(op, *(jnp.asarray(a, dtype) for a in (right, left, left_t)))
+    assert product.dtype == dtype
+    assert_close(product, want @ right, dtype, scale=magnitude @ np.abs(right))
+    for got, expected, scale in zip(
+        others,
+        (left @ want, transpose(left @ want), want, want.T, np.diag(want)),
+        (np.abs(left) @ magnitude, magnitude.T @ np.abs(left_t), magnitude, magnitude.T, np.diag(magnitude)),
+        strict=True,
+    ):
+        assert_close(got, expected, dtype, scale=scale)
+
+
+def test_sums_on_the_same_points_run_as_one_loop_and_differentiate():
+    """One loop of blocks, at the least batch size, checkpointed if either is; gradients reach both kernels'
+    arrays, the scalars and the points."""
+    rng = np.random.default_rng(20)
+    x, v = points(rng, 12, 2, jnp.float64), jnp.asarray(rng.normal(size=12))
+    args = (jnp.float64(0.8), jnp.float64(1.3), jnp.float64(2.0), jnp.float64(-0.5), x)
+
+    def lazy(ls1, ls2, c1, c2, x):
+        k1 = LazyKernel(RBF(ls1, 1.7), x, x, batch_size=5, checkpoint=True)
+        return c1 * k1 - LazyKernel(SkewedCrossCovariance(ls2), x, x, batch_size=3) / c2
+
+    def dense(ls1, ls2, c1, c2, x):
+        return c1 * rbf_dense_jnp(x, x, ls1, 1.7) - skewed_dense_jnp(x / ls2, x / ls2) / c2
+
+    op = lazy(*args)
+    ((_, fused),) = op.terms
+    assert fused.batch_size == 3 and fused.checkpoint and op.T.terms[0][1].transposed
+    for product in (lambda v: op @ v, lambda v: v @ op, lambda v: op.T @ v[:, None]):
+        assert len(re.findall(r"\b(scan|while)\[", str(jax.make_jaxpr(product)(v)))) == 1
+
+    def loss(make):
+        return lambda *args: jnp.sum(jnp.sin(make(*args) @ v)) + jnp.sum(jnp.cos(v @ make(*args)))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # checkpointed: differentiating does not warn
+        grads = jax.jit(jax.grad(loss(lazy), argnums=range(5)))(*args)
+    for got, want in zip(grads, jax.grad(loss(dense), argnums=range(5))(*args), strict=True):
+        assert_close(got, want, jnp.float64)
+
+
+def spd_problem(rng, dtype, n=40, noise=0.1):
+    """``K + noise I`` (an RBF's K on ``n`` points: condition number near 24 / noise) and its NumPy float64 twin."""
+    x = points(rng, n, 2, dtype)
+    op = LazyKernel(RBF(0.8, 1.7), x, x, batch_size=16).add_diagonal(noise)
+    return op, dense_oracle(rbf_np, x, x) + noise * np.eye(n)
+
+
+def relative_residuals(dense, solution, y):
+    """``|y - A x| / |y|`` per column, in NumPy float64."""
+    solution = np.asarray(solution, np.float64)
+    return np.linalg.norm(y - dense @ solution, axis=0) / np.maximum(np.linalg.norm(y, axis=0), 1e-300)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize("columns", [None, 3])
+def test_solve_matches_dense(columns, dtype):
+    """CG at its default tolerance, 32 eps, each column on its own (a zero one; an eigenvector, done in a step); an
+    exact preconditioner takes a step or two; ``max_steps`` stops it. The residual reported is the true one, also
+    where CG's own has drifted below it (at a condition number near 2400)."""
+    rng = np.random.default_rng(21)
+    op, dense = spd_problem(rng, dtype)
+    y = rng.normal(size=40 if columns is None else (40, columns))
+    if columns:
+        y[:, 1], y[:, 2] = 0, np.linalg.eigh(dense)[1][:, -1]
+    y = np.asarray(np.asarray(y, dtype), np.float64)
+    eps = np.finfo(dtype).eps
+
+    def solve(op, **options):  # jitted, the operator an argument
+        return jax.jit(lambda op, y: op.solve(y, return_info=True, **options))(op, jnp.asarray(y, dtype))
+
+    def checked_residual(dense, solution, info):  # the true residual, which info must report
+        residual = relative_residuals(dense, solution, y)
+        np.testing.assert_array_less(np.abs(info.residual - residual), 0.25 * residual + 4 * eps)
+        return residual
+
+    solution, info = solve(op)
+    assert solution.shape == y.shape and solution.dtype == dtype and info.residual.shape == y.shape[1:]
+    residual = checked_residual(dense, solution, info)
+    assert np.all(residual <= 4 * 32 * eps) and 20 <= info.steps <= 60  # unpreconditioned: about M steps
+    want = np.linalg.solve(dense, y)
+    error = np.linalg.norm(solution - want, axis=0)
+    assert np.all(error <= 1.01 * np.linalg.cond(dense) * residual * np.linalg.norm(want, axis=0))
+    if columns:
+        assert info.residual[1] == 0 and not np.any(solution[:, 1])
+    exact = jnp.asarray(np.linalg.inv(dense), dtype)
+    solution, info = solve(op, preconditioner=lambda r: exact @ r)
+    assert 1 <= info.steps <= 2 and np.all(relative_residuals(dense, solution, y) <= 4 * 32 * eps)
+    solution, info = solve(op, max_steps=2, rtol=1e-3)
+    assert info.steps == 2 and np.max(checked_residual(dense, solution, info)) > 1e-3
+    if columns:
+        op, dense = spd_problem(rng, dtype, noise=0.01)
+        checked_residual(dense, *solve(op))
+
+
+def test_solve_gradient_is_the_adjoint_solve():
+    """The gradient of ``y . A^-1 y`` in the lengthscale, the noise and y against NumPy float64's: ``-a . dA a``
+    and ``2 a`` for ``a = A^-1 y``; JAX differentiates the solve as one (custom_linear_solve), not its steps."""
+    rng = np.random.default_rng(22)
+    x, y = points(rng, 30, 2, jnp.float64), rng.normal(size=30)
+
+    def quadratic(lengthscale, noise, y):
+        op = LazyKernel(RBF(lengthscale, 1.7), x, x, batch_size=8, checkpoint=True).add_diagonal(noise)
+        return y @ op.solve(y, rtol=1e-13)
+
+    grads = jax.jit(jax.grad(quadratic, argnums=range(3)))(0.8, 0.1, jnp.asarray(y))
+    points_np = np.asarray(x)
+    squared_distances = ((points_np[:, None] - points_np[None]) ** 2).sum(-1)
+    k = dense_oracle(rbf_np, x, x)
+    a = np.linalg.solve(k + 0.1 * np.eye(30), y)
+    want = (-a @ (k * squared_distances / 0.8**3) @ a, -a @ a, 2 * a)  # dK/dl = K d^2 / l^3; dA/dnoise = I
+    for got, expected in zip(grads, want, strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-9)
+    assert "linear_solve" in str(jax.make_jaxpr(jax.grad(quadratic))(0.8, 0.1, jnp.asarray(y)))
+
+
+def test_algebra_and_solve_under_jit_and_vmap():
+    """Operators as jit arguments and vmapped, traced scalars and noises, solves of a batch."""
+    rng = np.random.default_rng(23)
+    x1, x2 = points(rng, 10, 2, jnp.float64), points(rng, 10, 2, jnp.float64)
+    k1, k2, k3 = (
+        LazyKernel(kernel, x1, x, batch_size=4)
+        for kernel, x in ((RBF(0.8, 1.7), x1), (RBF(1.3, 0.5), x1), (skewed, x2))
+    )
+    d1, d2, d3 = dense_oracle(rbf_np, x1, x1), dense_oracle(rbf_wide_np, x1, x1), dense_oracle(skewed_np, x1, x2)
+    op, dense = 2 * (k1 - k3 / 8).add_diagonal(0.25), 2 * d1 - d3 / 4 + 0.5 * np.eye(10)
+    vs = rng.normal(size=(3, 10))
+    assert_close(jax.jit(lambda op, v: op @ v)(op, vs[0]), dense @ vs[0], jnp.float64)
+    assert_close(jax.jit(lambda op, w: w @ op.T)(op, vs), vs @ dense.T, jnp.float64)
+    assert_close(jax.vmap(lambda v: op @ v)(vs), vs @ dense.T, jnp.float64)
+    stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), op, op)  # a batch of two operators
+    assert_close(jax.vmap(lambda op, v: op @ v)(stacked, vs[:2]), vs[:2] @ dense.T, jnp.float64)
+    scalars = jnp.array([0.5, -2.0, 3.0])
+    summed = jax.jit(jax.vmap(lambda c, v: (c * k1 + k2) @ v))(scalars, vs)  # traced scalars in one kernel
+    for c, v, got in zip(scalars, vs, summed, strict=True):
+        assert_close(got, (float(c) * d1 + d2) @ v, jnp.float64)
+    noises, ys = jnp.array([0.1, 1.0, 3.0]), rng.normal(size=(3, 10))
+    solutions = jax.jit(jax.vmap(lambda s, y: k1.add_diagonal(s).solve(y, rtol=1e-12)))(noises, ys)
+    for s, y, got in zip(noises, ys, solutions, strict=True):
+        assert_close(got, np.linalg.solve(d1 + float(s) * np.eye(10), y), jnp.float64, scale=1e2)
+    batch = jax.jit(jax.vmap(lambda y: k1.add_diagonal(0.3).solve(y, rtol=1e-12)))(ys)
+    assert_close(batch, np.linalg.solve(d1 + 0.3 * np.eye(10), ys.T).T, jnp.float64, scale=1e2)
+
+
+def test_algebra_refuses_bad_input():
+    square, wide = (
+        LazyKernel(RBF(), np.zeros((4, 2)), np.zeros((4, 2))),
+        LazyKernel(RBF(), np.zeros((4, 2)), np.zeros((5, 2))),
+    )
+    with pytest.raises(ValueError, match=r"add_diagonal: A must be square.*\(4, 5\)"):
+        wide.add_diagonal(1.0)
+    with pytest.raises(ValueError, match=r"add_diagonal.*scalar or \[4\].*d \(3,\)"):
+        square.add_diagonal(np.ones(3))
+    with pytest.raises(ValueError, match=r"cannot add operators of shapes \(4, 4\) and \(4, 5\)"):
+        square + 2 * wide
+    with pytest.raises(ValueError, match=r"cannot add operators of shapes \(4, 5\) and \(5, 4\)"):
+        wide - wide.T
+    for bad in (
+        lambda: square * square,
+        lambda: square + 1.0,
+        lambda: square - np.ones((4, 4)),
+        lambda: np.ones(4) * square,
+        lambda: square / square,
+    ):
+        with pytest.raises(TypeError, match="unsupported operand|does not support ufuncs"):
+            bad()
+    with pytest.raises(TypeError, match="two LazyKernels"):
+        square @ (2 * square)
+    with pytest.raises(ValueError, match=r"solve: A must be square.*\(4, 5\)"):
+        wide.solve(np.ones(4))
+    with pytest.raises(ValueError, match=r"solve: A must be square and y \[4\] or \[4, k\].*y \(2, 4\)"):
+        square.solve(np.ones((2, 4)))
+
+
 # -- the memory budget: XLA's accounting of the real peak --------------------------------
 
 
@@ -3209,7 +3437,8 @@ def test_fused_form_at_scale(dim, digits, offset, n, device, monkeypatch):
 
 
 def check_sharded():
-    """``K @ v``, ``w @ K`` and gradients of a psum'd loss under ``jax.shard_map`` on every device.
+    """``K @ v``, ``w @ K``, a sum of kernels and gradients of psum'd losses (of products, of solves) under
+    ``jax.shard_map`` on every device.
 
     Runs in a subprocess with several (virtual) CPU devices, possibly in several
     processes; each process checks its own shards against the dense oracle.
@@ -3272,6 +3501,37 @@ def check_sharded():
 
     check_products(checkpoint=False, make_kernel=RBF)
     check_products(checkpoint=True, make_kernel=rbf_pair)
+
+    def summed(x1, x2, v, ls):  # kernels on the same points, added into one
+        return (
+            2 * LazyKernel(RBF(ls, 1.7), x1, x2, batch_size=3) - LazyKernel(RBF(1.3, 0.5), x1, x2, batch_size=3)
+        ) @ v
+
+    right = shard_map(summed, mesh=mesh, in_specs=(P("d"), P(), P(), P()), out_specs=P("d"))
+    ls = jnp.asarray(0.8)
+    check(
+        jax.jit(right)(put(x1, P("d")), put(x2, P()), put(v, P()), ls),
+        (2 * dense - dense_oracle(rbf_wide_np, x1, x2)) @ v,
+    )
+
+    def quadratic(x, y, ls):  # each device's own system (its rows of x1): y . (K + 0.1 I)^-1 y, summed
+        op = LazyKernel(RBF(ls, 1.7), x, x, batch_size=3, checkpoint=True).add_diagonal(0.1)
+        return jax.lax.psum(y @ op.solve(y, rtol=1e-12), "d")
+
+    def dense_quadratic(ls):
+        parts = [(x1[i : i + 5], y[i : i + 5]) for i in range(0, 5 * count, 5)]
+        return sum(b @ jnp.linalg.solve(rbf_dense_jnp(a, a, ls, 1.7) + 0.1 * jnp.eye(5), b) for a, b in parts)
+
+    y = rng.normal(size=5 * count)
+    args = (put(x1, P("d")), put(y, P("d")), ls)
+    checked = "check_vma" in inspect.signature(shard_map).parameters  # JAX 0.4 has no custom_linear_solve rule
+    solved = functools.partial(shard_map, quadratic, mesh=mesh, in_specs=(P("d"), P("d"), P()), out_specs=P())
+    if checked:
+        check(jax.jit(solved())(*args), np.asarray(dense_quadratic(ls)))
+    unchecked = solved(**{"check_vma" if checked else "check_rep": False})  # as the gradient needs
+    value_and_grad = jax.jit(jax.value_and_grad(unchecked, argnums=2))(*args)
+    for got, want in zip(value_and_grad, jax.value_and_grad(dense_quadratic)(ls), strict=True):
+        check(got, np.asarray(want))
     print(f"sharded check passed on {count} devices in process {jax.process_index()} of {jax.process_count()}")
 
 
