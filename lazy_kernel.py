@@ -460,8 +460,8 @@ class LazyKernel:
 
     def __matmul__(self, other):
         x = self._operand(other, "right")
-        if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves((self, x))):
-            return _matmul(self, x)  # traced: compiled with the program around it
+        if _traced(self, x):
+            return _matmul(self, x)  # compiled with the program around it
         return _compiled_matmul(self, x, _settings())
 
     def __rmatmul__(self, other):
@@ -580,7 +580,9 @@ class LazyKernel:
         with them shows) or ``max_steps`` (default ``10 M``, SciPy's). ``preconditioner``: ``r -> P^-1 r``, P near
         A and symmetric positive definite. Gradients solve the adjoint system (``jax.lax.custom_linear_solve``), not
         through the steps. ``return_info=True``: ``(x, SolveInfo(steps, residual))``."""
-        return _solve(self, y, rtol, max_steps, preconditioner, return_info)
+        if _traced(self, y, rtol, max_steps):
+            return _solve(self, y, rtol, max_steps, preconditioner, return_info)
+        return _compiled_solve(self, y, rtol, max_steps, _settings(), preconditioner, return_info)
 
     def __repr__(self):
         plan = self.plan
@@ -631,11 +633,22 @@ def _matmul(op, x):
     return jnp.moveaxis(out.reshape(m, *batch, k), 0, -2)
 
 
+def _traced(*trees):
+    """Whether an array in ``trees`` is a tracer: the call is inside ``jit``, ``grad`` or ``vmap``."""
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(trees))
+
+
 @functools.partial(jax.jit, static_argnums=2)
 def _compiled_matmul(op, x, settings):
     """``_matmul`` outside ``jit``: compiled once per structure (the kernel's pytree, shapes, dtypes) and
     ``settings``, not on every call."""
     return _matmul(op, x)
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5, 6))
+def _compiled_solve(op, y, rtol, max_steps, settings, preconditioner, return_info):
+    """``_solve`` outside ``jit``, compiled once per structure as ``_compiled_matmul``."""
+    return _solve(op, y, rtol, max_steps, preconditioner, return_info)
 
 
 def _reverse_mode_policy(op):
@@ -743,7 +756,7 @@ def _sum(a, b):
     on_points = {(id(k.x1), id(k.x2), k.transposed): (c, k) for c, k in a.terms}
     for c, k in b.terms:
         points = (id(k.x1), id(k.x2), k.transposed)
-        on_points[points] = (jnp.asarray(1), _fused(*on_points[points], c, k)) if points in on_points else (c, k)
+        on_points[points] = (jnp.asarray(1), _merged(*on_points[points], c, k)) if points in on_points else (c, k)
     return KernelSum(on_points.values(), _plus(a.added, b.added))
 
 
@@ -758,10 +771,10 @@ def _weighted_sum(c1, k1, c2, k2, x, y):
     return c1 * k1(x, y) + c2 * k2(x, y)
 
 
-def _fused(c1, k1, c2, k2):
+def _merged(c1, k1, c2, k2):
     """``c1 K1 + c2 K2``, both on the same points, as one LazyKernel (the least budget and batch size)."""
     if k1.transposed:
-        return _fused(c1, k1.T, c2, k2.T).T
+        return _merged(c1, k1.T, c2, k2.T).T
     kernel = jax.tree_util.Partial(_weighted_sum, c1, k1.kernel, c2, k2.kernel)
     sizes = [size for size in (k1.batch_size, k2.batch_size) if size is not None]
     settings = dict(max_memory_mb=min(k1.max_memory_mb, k2.max_memory_mb), checkpoint=k1.checkpoint or k2.checkpoint)

@@ -479,6 +479,23 @@ def test_products_outside_jit_compile_once_per_structure(gpjax):
         assert_close(left, np.asarray(w, np.float64) @ dense, jnp.float32)
 
 
+def test_solves_outside_jit_compile_once_per_structure():
+    """A solve outside jit compiles once: a new operator of the same structure (new points, lengthscale, noise)
+    compiles nothing, and its solution is the dense one's."""
+    rng = np.random.default_rng(23)
+    xs = [jnp.asarray(rng.normal(size=(70, 2)), jnp.float32) for _ in range(2)]
+    y = jnp.asarray(rng.normal(size=70), jnp.float32)
+    cases = [(xs[0], 0.8, 0.5), (xs[1], 1.2, 0.3)]
+    systems = [LazyKernel(RBF(jnp.float32(ls)), x, x).add_diagonal(jnp.float32(noise)) for x, ls, noise in cases]
+    systems[0].solve(y)  # compiled here
+    compiled_before = len(BACKEND_COMPILES)
+    solutions = [system.solve(y) for system in systems]
+    assert len(BACKEND_COMPILES) == compiled_before
+    for solution, (x, ls, noise) in zip(solutions, cases, strict=True):
+        dense = dense_oracle(functools.partial(rbf_np, lengthscale=ls, variance=1.0), x, x) + noise * np.eye(70)
+        np.testing.assert_allclose(solution, np.linalg.solve(dense, np.asarray(y, np.float64)), rtol=0, atol=1e-4)
+
+
 def test_a_patch_reaches_programs_compiled_before_it_and_outlives_none(monkeypatch):
     """Whatever ran before: a patch of what plans and programs read (conftest's monkeypatch) changes the product of
     an operator compiled and cached before it, and its undo brings the same numbers back."""
