@@ -837,11 +837,15 @@ def _solve(op, y, rtol, max_steps, preconditioner, return_info):
 # for ``w @ K``) relative to its scale (|K| |v|), within 16 eps plus 4x the vmap form's error (the kernel on each
 # pair on this device, summed elementwise), which must be within ((D + 8) z / 2 + EXP_ULPS) eps of each K (the
 # feature sum's roundings and 9 more, through exp; and exp's own). Every device runs the whole check on its own.
+# All programs of all D are traced and compiled at once, a thread each, beside NumPy's oracle: XLA compiles
+# (blocks are measured by compiling, in the traces) without Python's lock.
 
 EXP_ULPS = {"float32": 256, "float64": 2048}  # exp's error allowed: a TPU v5e's errs up to 116 ulp, past 256 in float64
 SANITY_CONTRACT_EPS = 16  # the operator's contract: 16 eps of the scale plus 4x the vmap form's error
 CHECK_DIMS = (3, 16, 128)  # a form of each kind the plan picks: features written out or a loop; the fused form
 # (TPU) or the float64 GEMM (CPU); int8 digits (TPU) or the GEMM
+CHECK_POINTS = {"cpu": 8191, "float32": 65536, "float64": 4096}  # N: on a CPU a prime, so that the last block
+# overlaps the one before; off it 32 CONTRACTION_CHUNKs, a sum a TPU's matrix unit errs on in one product
 FLOAT64_ACCELERATOR_BATCH = 512  # float64 off the CPU: emulated, its blocks' measurements compile for minutes
 INSTALL = {"tpu": 'pip install -e ".[tpu]"', "gpu": 'pip install -e ".[cuda12]" (or ".[cuda13]")'}
 _TPU_PCI_DEVICES = ("0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f", "0x0076")  # Google's, as JAX lists
@@ -859,21 +863,18 @@ def _accelerator_here():
 
 def _wrong_platform(asked):
     """Why this check cannot run on the platform ``asked`` (None: JAX's default), or None where it can."""
-    default = jax.default_backend()
-    if asked not in (None, default):
-        try:
-            jax.devices(asked)
-        except RuntimeError:
-            install = f": install JAX for it ({INSTALL[asked]})" if asked in INSTALL else ""
-            return f"JAX finds no {asked} here (it runs on {default}){install}"
-        return f"JAX runs on {default} by default here; check {asked} with JAX_PLATFORMS={asked}"
-    seen = _accelerator_here()
+    default, seen = jax.default_backend(), _accelerator_here()
     if asked is None and default == "cpu" and seen:
-        return (
-            f"this machine has a {seen.upper()}, but JAX runs on the CPU: install JAX for it ({INSTALL[seen]}), "
-            "or check the CPU with --platform cpu"
-        )
-    return None
+        install = f"install JAX for it ({INSTALL[seen]}), or check the CPU with --platform cpu"
+        return f"this machine has a {seen.upper()}, but JAX runs on the CPU: {install}"
+    if asked in (None, default):
+        return None
+    try:
+        jax.devices(asked)
+    except RuntimeError:
+        install = f": install JAX for it ({INSTALL[asked]})" if asked in INSTALL else ""
+        return f"JAX finds no {asked} here (it runs on {default}){install}"
+    return f"JAX runs on {default} by default here; check {asked} with JAX_PLATFORMS={asked}"
 
 
 def _rbf_numpy(x1, x2, lengthscale, variance):
@@ -898,38 +899,18 @@ def _on_every_device(f, devices):
     return jax.jit(shard_map(stacked, mesh=mesh, in_specs=specs(), out_specs=specs("devices")))
 
 
-def _compiled(calls):
-    """Each ``(jitted function, arguments)`` traced here, then all compiled at once in threads: XLA compiles
-    without Python's lock."""
-    lowered = [f.lower(*f_args) for f, f_args in calls]
-    with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
-        return list(pool.map(lambda program: program.compile(), lowered))
-
-
-def _timed(f, *args, repeats=3):
-    """``f(*args)`` (its first run) and the median seconds of ``repeats`` more."""
-    result, times = jax.block_until_ready(f(*args)), []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - start)
-    return result, float(np.median(times))
-
-
 def _vmap_form(kernel, rows, x1, x2, v, w, operand):
     """The reference on this device: for each checked row, K's row by vmapping the pair call, its products with v
-    and ``operand`` and its row of the gradient of w.(K @ v) in x1; for each checked column, w @ K's entry; in the
-    order of ``_check``'s cases. Sums elementwise, a row at a time: no matrix unit, no [rows, N, D] array."""
+    and ``operand``, w @ K's entry in that column, and its row of the gradient of w.(K @ v) in x1 (``_check``'s
+    cases, in order). Sums elementwise, a row at a time: no matrix unit, no [rows, N, D] array."""
     row_of = lambda a: jax.vmap(kernel, (None, 0))(a, x2)  # noqa: E731
 
     def row(i):
-        k = row_of(x1[i])
+        k, column = row_of(x1[i]), jax.vmap(kernel, (0, None))(x1, x2[i])
         gradient = w[i] * jax.grad(lambda a: jnp.sum(row_of(a) * v))(x1[i])
-        return k, jnp.sum(k * v), jnp.sum(k[:, None] * operand, 0), gradient
+        return k, jnp.sum(k * v), jnp.sum(k[:, None] * operand, 0), jnp.sum(w * column), gradient
 
-    column = lambda j: jnp.sum(w * jax.vmap(kernel, (0, None))(x1, x2[j]))  # noqa: E731
-    k, k_v, k_operand, gradient = jax.lax.map(row, rows)
-    return k, k_v, k_operand, jax.lax.map(column, rows), gradient
+    return jax.lax.map(row, rows)
 
 
 def _relative_errors(got, want, scale):
@@ -938,110 +919,108 @@ def _relative_errors(got, want, scale):
 
 
 def _check(dim, devices, args):
-    """The check at ``dim`` features on every device: prints a line per case; returns what failed, if anything."""
-    dtype, on_cpu = args.dtype, devices[0].platform == "cpu"
-    n = args.n or (16384 if on_cpu else 65536 if dtype == "float32" else 4096)
-    eps = float(np.finfo(dtype).eps)
+    """The check at ``dim`` features on every device: its work (NumPy's oracle, each program's compile), to be
+    done at once with every D's, and its verdict on the results (it runs the programs, prints a line per case and
+    returns what failed)."""
+    dtype, n, eps = args.dtype, args.n, float(np.finfo(args.dtype).eps)
     lengthscale, variance = (float(np.asarray(a, dtype)) for a in (np.sqrt(dim), 1.3))  # as JAX has them
     rng = np.random.default_rng(dim)
     x1, x2 = (np.asarray(rng.normal(size=(n, dim)) + 5.0, dtype) for _ in range(2))
     v, w = (np.asarray(rng.uniform(-0.25, 1, size=n), dtype) for _ in range(2))
     wide = np.asarray(rng.uniform(-0.25, 1, size=(n, args.width)), dtype)
+    rows = np.unique(np.r_[0, n - 1, rng.choice(n, size=min(args.check, n), replace=False)])  # and the end blocks
     kernel = RBF(jnp.asarray(lengthscale, dtype), jnp.asarray(variance, dtype))
-    batch_size = args.batch_size
-    if batch_size is None and dtype == "float64" and not on_cpu:
-        batch_size = FLOAT64_ACCELERATOR_BATCH
-    settings = dict(max_memory_mb=args.max_memory_mb, batch_size=batch_size)
-    rows = np.sort(rng.choice(n, size=min(args.check, n), replace=False))
-
-    def lazy(x1, x2, checkpoint=False):
-        return LazyKernel(kernel, x1, x2, checkpoint=checkpoint, **settings)
-
-    def loss(x1, x2, v, w):
-        return jnp.vdot(w, lazy(x1, x2, args.checkpoint) @ v)
-
+    lazy = functools.partial(LazyKernel, kernel, max_memory_mb=args.max_memory_mb, batch_size=args.batch_size)
+    loss = lambda x1, x2, v, w: jnp.vdot(w, lazy(x1, x2, checkpoint=args.checkpoint) @ v)  # noqa: E731
     cases = {  # name: its value at the rows checked, a function of (x1, x2, v, w, wide)
         "K @ v": lambda x1, x2, v, w, wide: (lazy(x1, x2) @ v)[rows],
         f"K @ X ({args.width} columns)": lambda x1, x2, v, w, wide: (lazy(x1, x2) @ wide)[rows],
         "w @ K": lambda x1, x2, v, w, wide: (w @ lazy(x1, x2))[rows],
         "grad_x1 w.(K @ v)": lambda x1, x2, v, w, wide: jax.grad(loss)(x1, x2, v, w)[rows],
     }
-    op = LazyKernel(kernel, jnp.asarray(x1), jnp.asarray(x2), **settings)
-    forms = block_plan(kernel, dim, dtype).forms
-    print(f"\nD = {dim}: K {n} x {n}, {dtype}, RBF(lengthscale sqrt(D), variance 1.3), points N(5, 1); form: {forms}")
-    given = " (given: float64 off the CPU)" if batch_size != args.batch_size else ""
-    print(f"blocks used: {op.block_rows} rows of {n} in K @ v, {op.block_cols} columns in w @ K{given}")
+    host, arrays = (x1, x2, v, w, wide), list(map(jnp.asarray, (x1, x2, v, w, wide)))
 
-    arrays = list(map(jnp.asarray, (x1, x2, v, w, wide)))
+    def oracle():  # NumPy float64's K[rows, :] and z there; each case at the rows checked, and its scale
+        x1, x2, v, w, wide = (np.asarray(a, np.float64) for a in host)
+        k_rows, z = _rbf_numpy(x1[rows], x2, lengthscale, variance)
+        k_cols = _rbf_numpy(x1, x2[rows], lengthscale, variance)[0]  # K[:, rows]
+        weighted, at = k_rows * v, x1[rows]  # the terms of the gradient's sums
+        gradient = w[rows, None] * (weighted @ x2 - at * weighted.sum(1, keepdims=True)) / lengthscale**2
+        terms = np.stack([np.abs(weighted * (x2[:, d] - at[:, d, None])).sum(1) for d in range(dim)], 1)
+        gradient_scale = np.abs(w[rows, None]) * terms / lengthscale**2
+        scaled = lambda k, a: (k @ a, k @ np.abs(a))  # noqa: E731
+        return k_rows, z, [scaled(k_rows, v), scaled(k_rows, wide), scaled(k_cols.T, w), (gradient, gradient_scale)]
+
+    def compile_program(f):  # in a thread of its own, whose default device is the check's
+        with jax.default_device(devices[0]):
+            return _on_every_device(f, devices).lower(*arrays).compile()
+
+    def verdict(oracle, vmap_form, *compiled):
+        (k_rows, z, truths), failures = oracle, []
+        named = [f"device {d.id} ({d.device_kind})" for d in devices]
+
+        def judged(what, ratios, allowed):  # each device's error as a share of what is allowed: ok, or failures
+            failures.extend(
+                f"D = {dim}: {what} ({r:.3g}x {allowed}) on {named[i]}" for i, r in enumerate(ratios) if r > 1
+            )
+            return f"{np.max(ratios):.2f} of {allowed} " + ("ok" if np.max(ratios) <= 1 else "FAIL")
+
+        op = lazy(*arrays[:2])  # its blocks, measured in the programs' traces
+        shown = f"RBF(lengthscale sqrt(D), variance 1.3), points N(5, 1); form: {op.plan.forms}"
+        print(f"\nD = {dim}: K {n} x {n}, {dtype}, {shown}")
+        print(f"blocks used: {op.block_rows} rows of {n} in K @ v, {op.block_cols} columns in w @ K")
+        k_vmap, *vmap_results = (np.asarray(a, np.float64) for a in vmap_form(*arrays))
+        allowed = ((dim + 8) * z / 2 + EXP_ULPS[dtype]) * eps
+        wrong = np.max(np.abs(k_vmap - k_rows) / (k_rows * allowed), axis=(1, 2))
+        print(f"{'kernel values, vmap form':>26}: {judged('the kernel values', wrong, 'what float arithmetic allows')}")
+        for name, f, vmapped, (want, scale) in zip(cases, compiled, vmap_results, truths, strict=True):
+            times = []
+            while not times or (times[0] < 0.1 and len(times) < 6):  # one run; a fast one, the median of 5 more
+                start = time.perf_counter()
+                result = jax.block_until_ready(f(*arrays))
+                times.append(time.perf_counter() - start)
+            seconds = float(np.median(times[1:] or times))
+            errors, vmap_errors = (_relative_errors(a, want, scale) for a in (result, vmapped))
+            i = np.argmax(contract := errors / (SANITY_CONTRACT_EPS * eps + 4 * vmap_errors))
+            timing = f"{seconds * 1e3:9.2f} ms, {n * n / seconds:8.3g} pairs/s"
+            print(f"{name:>26}: {timing}, error {errors[i]:.2e} (vmap form {vmap_errors[i]:.2e}): ", end="")
+            print(judged(name, contract, "the contract"))
+        return failures
+
     programs = (functools.partial(_vmap_form, kernel, rows), *cases.values())
-    vmap_form, *compiled = _compiled([(_on_every_device(f, devices), arrays) for f in programs])
-    k_vmap, *vmap_results = (np.asarray(a, np.float64) for a in vmap_form(*arrays))
-
-    x1, x2, v, w, wide = (np.asarray(a, np.float64) for a in (x1, x2, v, w, wide))
-    k_rows, z = _rbf_numpy(x1[rows], x2, lengthscale, variance)  # K[rows, :]
-    k_cols = _rbf_numpy(x1, x2[rows], lengthscale, variance)[0]  # K[:, rows]
-    weighted = k_rows * v  # the terms of the gradient's sums, below
-    gradient = w[rows, None] * (weighted @ x2 - x1[rows] * weighted.sum(1, keepdims=True)) / lengthscale**2
-    terms = [np.abs(weighted * (x2[:, d] - x1[rows, d, None])).sum(1) for d in range(dim)]  # a feature's
-    truths = [  # each case's truth at the rows checked, and its scale
-        (k_rows @ v, k_rows @ np.abs(v)),
-        (k_rows @ wide, k_rows @ np.abs(wide)),
-        (w @ k_cols, np.abs(w) @ k_cols),
-        (gradient, np.abs(w[rows, None]) * np.stack(terms, 1) / lengthscale**2),
-    ]
-    allowed = ((dim + 8) * z / 2 + EXP_ULPS[dtype]) * eps
-    kernel_errors = np.max(np.abs(k_vmap - k_rows) / (k_rows * allowed), axis=(1, 2))
-    print(f"{'kernel values, vmap form':>26}: {kernel_errors.max():.2f} of the error float arithmetic allows", end=" ")
-    print("ok" if kernel_errors.max() <= 1 else "FAIL")
-    named = [f"device {d.id} ({d.device_kind})" for d in devices]
-    wrong = "the kernel's values err {:.3g}x what float arithmetic allows (exp or arithmetic)"
-    failures = [f"D = {dim}: {wrong.format(e)} on {named[i]}" for i, e in enumerate(kernel_errors) if e > 1]
-    for name, f, vmapped, (want, scale) in zip(cases, compiled, vmap_results, truths, strict=True):
-        result, seconds = _timed(f, *arrays)
-        errors, vmap_errors = _relative_errors(result, want, scale), _relative_errors(vmapped, want, scale)
-        tolerances = SANITY_CONTRACT_EPS * eps + 4 * vmap_errors
-        worst = int(np.argmax(errors / tolerances))
-        print(
-            f"{name:>26}: {seconds * 1e3:9.2f} ms, {n * n / seconds:8.3g} pairs/s, error {errors[worst]:.2e} "
-            f"(vmap form {vmap_errors[worst]:.2e}; allowed {tolerances[worst]:.2e}) "
-            + ("ok" if np.all(errors <= tolerances) else "FAIL")
-        )
-        failures += [
-            f"D = {dim}: {name} ({e / t:.3g}x the contract) on {named[i]}"
-            for i, (e, t) in enumerate(zip(errors, tolerances, strict=True))
-            if e > t
-        ]
-    return failures
+    return [oracle, *(functools.partial(compile_program, f) for f in programs)], verdict
 
 
 def _dims(text):
     """``--dim``'s value: features per point, one number or a comma-separated list."""
-    try:
-        dims = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"features per point, such as 16 or 3,16,128; got {text!r}") from None
-    if not dims or min(dims) < 1:
-        raise argparse.ArgumentTypeError(f"features per point must be at least 1; got {text!r}")
-    return dims
+    if not all(part.strip().isdigit() and int(part) > 0 for part in text.split(",")):
+        raise argparse.ArgumentTypeError(f"features per point, each at least 1, such as 16 or 3,16,128; got {text!r}")
+    return tuple(int(part) for part in text.split(","))
 
 
 def _parse(argv):
+    """The flags; N and float64's blocks off the CPU as the platform JAX runs on has them; a budget of a row of K."""
     parser = argparse.ArgumentParser(description="Check LazyKernel on this machine against dense NumPy rows.")
     parser.add_argument("--platform", choices=["cpu", "gpu", "tpu"], help="fail unless JAX runs there")
-    parser.add_argument("--n", type=int, help="points in x1 and x2; 16384 on CPU, 65536 off it (float64: 4096)")
+    parser.add_argument("--n", type=int, help="points in x1 and x2; 8191 on CPU, 65536 off it (float64: 4096)")
     parser.add_argument("--dim", type=_dims, default=CHECK_DIMS, help="features per point, or a list: 3,16,128")
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     parser.add_argument("--width", type=int, default=16, help="columns of X in K @ X")
-    parser.add_argument("--max-memory-mb", type=float, default=2**10, help="budget for the blocks")
+    parser.add_argument("--max-memory-mb", type=float, default=2**10, help="budget for the blocks: a row of K or more")
     parser.add_argument("--batch-size", type=int, help="rows per block; else measured (float64 off the CPU: 512)")
     parser.add_argument("--checkpoint", action=argparse.BooleanOptionalAction, default=True, help="in the gradient")
-    parser.add_argument("--check", type=int, default=64, help="rows and columns compared with NumPy")
+    parser.add_argument("--check", type=int, default=64, help="rows and columns compared with NumPy, and the ends")
     args = parser.parse_args(argv)
     for name in ("n", "width", "batch_size", "check"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1; got {getattr(args, name)}")
-    if not (args.max_memory_mb >= 0 and math.isfinite(args.max_memory_mb)):
-        parser.error(f"--max-memory-mb must be a finite number >= 0; got {args.max_memory_mb}")
+    on_cpu = jax.default_backend() == "cpu"
+    args.n = args.n or CHECK_POINTS["cpu" if on_cpu else args.dtype]
+    if args.batch_size is None and args.dtype == "float64" and not on_cpu:
+        args.batch_size = FLOAT64_ACCELERATOR_BATCH
+    row = 0 if args.batch_size else math.ceil(args.n * np.dtype(args.dtype).itemsize / 2**20 * 1e3) / 1e3  # MB
+    if not row <= args.max_memory_mb < math.inf:  # else blocks of one row, over budget, for minutes
+        parser.error(f"--max-memory-mb must be a finite number >= {row:g} (a row of K); got {args.max_memory_mb:g}")
     return args
 
 
@@ -1056,8 +1035,12 @@ def main(argv=None) -> int:
     devices = jax.devices()
     kinds = ", ".join(sorted({d.device_kind for d in devices}))
     print(f"platform: {devices[0].platform}, {len(devices)} x {kinds}; jax {jax.__version__}")
-    print(f"each device runs the whole check; budget {args.max_memory_mb:g} MB; D = {', '.join(map(str, args.dim))}")
-    failures = [failure for dim in args.dim for failure in _check(dim, devices, args)]
+    blocks = f"budget {args.max_memory_mb:g} MB" if args.batch_size is None else f"blocks of {args.batch_size} rows"
+    print(f"each device runs the whole check; {blocks}; D = {', '.join(map(str, args.dim))}", flush=True)
+    checks = [_check(dim, devices, args) for dim in args.dim]
+    with concurrent.futures.ThreadPoolExecutor(sum(len(work) for work, _ in checks)) as pool:
+        done = [(verdict, [pool.submit(task) for task in work]) for work, verdict in checks]
+    failures = [f for verdict, work in done for f in verdict(*(task.result() for task in work))]  # all compiled
     contract = f"the contract: {SANITY_CONTRACT_EPS} eps + 4x the vmap form's error; a bf16 product errs about 1e-3"
     print(f"FAIL: {'; '.join(failures)}. {contract}" if failures else "PASS")
     return 1 if failures else 0

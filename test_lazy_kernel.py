@@ -17,6 +17,7 @@ import functools
 import importlib.util
 import inspect
 import itertools
+import math
 import os
 import re
 import socket
@@ -3236,16 +3237,37 @@ def test_sanity_check_cannot_pass_on_the_wrong_platform(capsys, monkeypatch, dev
     [
         (["--check", "0"], "--check must be at least 1; got 0"),
         (["--n", "-5"], "--n must be at least 1"),
-        (["--dim", "3,0"], "features per point must be at least 1"),
-        (["--dim", "three"], "features per point, such as 16 or 3,16,128"),
+        (["--dim", "3,0"], "features per point, each at least 1, such as 16 or 3,16,128; got '3,0'"),
+        (["--dim", "three"], "features per point, each at least 1, such as 16 or 3,16,128; got 'three'"),
         (["--max-memory-mb", "nan"], "--max-memory-mb must be a finite number"),
+        (["--n", "65536", "--max-memory-mb", "0.2"], "--max-memory-mb must be a finite number >= 0.25 (a row of K)"),
+        (["--n", "2500", "--max-memory-mb", "0", "--dtype", "float64"], ">= 0.02 (a row of K); got 0"),
         (["--platform", "gpu0"], "invalid choice: 'gpu0'"),
     ],
 )
 def test_sanity_check_refuses_bad_flags_with_a_message(flags, message, capsys):
+    """At once, exit 2; a budget under one row of K (which would run blocks of one row for minutes) saying the
+    least."""
     with pytest.raises(SystemExit) as exit_:
         lazy_kernel.main(flags)
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_sanity_check_resolves_n_and_the_least_budget(device):
+    """N by platform and dtype (CHECK_POINTS); a budget of one row of K or more (rounded up to 0.001 MB), unless
+    --batch-size, which the budget does not size, is given (as it is for float64 off the CPU)."""
+    on_cpu = device.platform == "cpu"
+    for dtype, itemsize in (("float32", 4), ("float64", 8)):
+        args = lazy_kernel._parse(["--dtype", dtype])
+        assert args.n == lazy_kernel.CHECK_POINTS["cpu" if on_cpu else dtype]
+        row = math.ceil(args.n * itemsize / 2**20 * 1000) / 1000
+        if args.batch_size is None:
+            assert lazy_kernel._parse(["--dtype", dtype, "--max-memory-mb", str(row)]).max_memory_mb == row
+            with pytest.raises(SystemExit):
+                lazy_kernel._parse(["--dtype", dtype, "--max-memory-mb", str(row - 0.001)])
+        else:
+            assert (dtype, args.batch_size) == ("float64", lazy_kernel.FLOAT64_ACCELERATOR_BATCH) and not on_cpu
+    assert lazy_kernel._parse(["--max-memory-mb", "0", "--batch-size", "8"]).max_memory_mb == 0
 
 
 def _off_by_bf16_sized_errors(what, monkeypatch):
@@ -3261,6 +3283,15 @@ def _off_by_bf16_sized_errors(what, monkeypatch):
         return
     if what == "contraction at JAX's default precision":  # bf16 passes on a TPU (float32 on a CPU)
         monkeypatch.setattr(lazy_kernel, "_contraction_precision", lambda: None)
+        return
+    if what == "last row off by 5e-4":  # as if the last block (overlapping the one before) were mishandled
+        engine = lazy_kernel._blockwise_matmul
+
+        def last_row_off(*args, axis=0):
+            out = engine(*args, axis=axis)
+            return out.at[-1].multiply(1 + 5e-4) if axis == 0 else out.at[:, -1].multiply(1 + 5e-4)
+
+        monkeypatch.setattr(lazy_kernel, "_blockwise_matmul", last_row_off)
         return
     form = type(lazy_kernel.block_plan(RBF(), 3).block)  # how the check's blocks are made
     make = form.make
@@ -3284,6 +3315,7 @@ def _off_by_bf16_sized_errors(what, monkeypatch):
             for what in ("K rounded to bf16", "exp off by 5e-4", "operand rounded to bf16")
         ),
         "contraction at JAX's default precision",
+        "last row off by 5e-4",  # the check's rows include the last: 16 random rows of 2500 miss it 99 times in 100
     ],
 )
 def test_sanity_check_fails_on_bf16_sized_errors(what, monkeypatch, capsys, device, users_precision):
@@ -3293,7 +3325,7 @@ def test_sanity_check_fails_on_bf16_sized_errors(what, monkeypatch, capsys, devi
     assert lazy_kernel.main(SANITY_ARGS) == 1
     verdict = capsys.readouterr().out.rstrip().splitlines()[-1]
     if what == "exp off by 5e-4":  # the vmap form errs as much: the kernel's values are what is wrong
-        assert verdict.startswith("FAIL: D = 3: the kernel's values err") and " @ " not in verdict, verdict
+        assert verdict.startswith("FAIL: D = 3: the kernel values (") and " @ " not in verdict, verdict
     elif what == "contraction at JAX's default precision":  # a matrix-vector product stays float32 on a TPU
         assert "K @ X (16 columns) (" in verdict and "K @ v (" not in verdict, verdict
     else:
