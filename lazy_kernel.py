@@ -2168,10 +2168,7 @@ def _compiled_peak(op, width, dtype, rows, differentiated):
             program = functools.partial(_value_and_pullback, run, moved)
             specs.append(jax.ShapeDtypeStruct((op.shape[0], width), dtype))  # the cotangent
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the warning that a product without checkpoint is differentiated
-            lowered = jax.jit(program).lower(*specs)
-        compiled = lowered.compile(dict(op.plan.sizing.probe_options))
+        compiled = jax.jit(program).lower(*specs).compile(dict(op.plan.sizing.probe_options))
     except Exception as error:  # JaxRuntimeError, XlaRuntimeError in older JAX
         if "RESOURCE_EXHAUSTED" not in str(error):
             raise
