@@ -307,6 +307,8 @@ def _contract(a, b, plan, width):
     or [width, n] @ [n, rows] (a block of K's columns, in X @ K); in chunks of n where the plan says."""
     if (chunk := plan.contraction_chunk) and a.shape[1] > chunk and width > 1:  # K @ v is float32
         return _chunked_contract(a, b, chunk, plan.contraction_precision)
+    if a.shape[0] == 1 < b.shape[1]:  # XLA:CPU's dot sums [1, n] @ [n, k] term by term; its reduce, in parts
+        return jnp.sum(a.T * b, axis=0, keepdims=True)
     return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), plan.contraction_precision)
 
 

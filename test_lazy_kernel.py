@@ -497,6 +497,24 @@ def test_solves_outside_jit_compile_once_per_structure():
         np.testing.assert_allclose(solution, np.linalg.solve(dense, np.asarray(y, np.float64)), rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("kernel_name", ["rbf-pytree", "skewed-cross-covariance"])
+def test_one_row_times_many_columns_keeps_the_contract(kernel_name):
+    """Blocks of one row (K @ X) and one operand row against blocks of K's columns (v @ K, by a kernel's own
+    cross_covariance) at N = 32768, within the contract against NumPy float64: XLA:CPU's dot summed such a
+    [1, N] @ [N, k] product term by term (1.1x the contract at N = 8191 in the check's K @ X)."""
+    rng = np.random.default_rng(24)
+    kernel, kernel_np = KERNELS[kernel_name]
+    n = 32768
+    x1, x2 = points(rng, 3, 2, jnp.float32), points(rng, n, 2, jnp.float32)
+    wide, v = np.asarray(rng.uniform(-0.25, 1, size=(n, 16)), np.float32), np.ones((1, 3), np.float32)
+    dense, vmapped = dense_oracle(kernel_np, x1, x2), np.asarray(lazy_kernel._vmap_block(kernel, x1, x2), np.float64)
+    right = LazyKernel(kernel, x1, x2, batch_size=1) @ wide
+    left = v @ LazyKernel(kernel, x1, x2, batch_size=16)
+    wide, v = np.asarray(wide, np.float64), np.asarray(v, np.float64)
+    within_contract(right, (vmapped @ wide).astype(np.float32), dense @ wide, np.max(np.abs(dense) @ np.abs(wide)))
+    within_contract(left, (v @ vmapped).astype(np.float32), v @ dense, np.max(np.abs(v) @ np.abs(dense)))
+
+
 def test_a_patch_reaches_programs_compiled_before_it_and_outlives_none(monkeypatch):
     """Whatever ran before: a patch of what plans and programs read (conftest's monkeypatch) changes the product of
     an operator compiled and cached before it, and its undo brings the same numbers back."""
