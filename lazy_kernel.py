@@ -139,9 +139,10 @@ def _check_kernel(kernel, dim, dtype):
     )
     try:
         out = jax.eval_shape(lambda x, y: kernel(x, y), point, point)
-    except Exception as error:
-        raised = f"kernel({dim}-vector, {dim}-vector) raised {error!r:.300}"
-        raise TypeError(f"{expected}{raised}{block_function}") from error
+    except Exception as error:  # the kernel's own error, with a note of how LazyKernel called it (Python 3.11 on)
+        if hasattr(error, "add_note"):
+            error.add_note(f"{expected}kernel({dim}-vector, {dim}-vector) raised it{block_function}")
+        raise
     if not hasattr(out, "shape") or out.shape != ():
         shape = getattr(out, "shape", type(out).__name__)
         raise TypeError(f"{expected}kernel({dim}-vector, {dim}-vector) returned {shape}{block_function}")
