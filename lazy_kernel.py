@@ -685,7 +685,7 @@ class KernelSum:
     LazyKernel's algebra and ``solve``. ``terms``: pairs (c_i, K_i) of a scalar and a LazyKernel, one for each set
     of points; ``added``: d, [M], or None. A pytree."""
 
-    __array_ufunc__ = None  # NumPy arrays on the left defer to __rmatmul__
+    __array_ufunc__, __array__ = None, LazyKernel.__array__  # NumPy defers to __rmatmul__; no conversion
     __add__, __sub__, __neg__ = LazyKernel.__add__, LazyKernel.__sub__, LazyKernel.__neg__
     __mul__ = __rmul__ = LazyKernel.__mul__
     __truediv__, add_diagonal, solve = LazyKernel.__truediv__, LazyKernel.add_diagonal, LazyKernel.solve
