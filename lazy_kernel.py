@@ -41,6 +41,7 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import jax
@@ -165,6 +166,37 @@ def _check_kernel(kernel, dim, dtype):
 # Rules that do (a GEMM's error bound, the fused form's digits) run on the data, among the forms the plan names.
 
 
+class BlockForm(Protocol):
+    """How a plan makes blocks (``Plan.block``): the core's VmapForm, CrossCovarianceForm, or a layer's."""
+
+    name: str
+    fastest_bytes: tuple[int, int | None] | None  # the fastest block's bytes, product and gradient; None: default
+
+    def make(self, kernel, xa, xb, transposed) -> jax.Array: ...  # [len(xa), len(xb)]
+
+    def describe(self, kernel, dim, dtype) -> str: ...
+
+
+class BlockSizing(Protocol):
+    """How a layer sizes blocks (``Plan.sizing``): ``LazyKernel.__matmul__`` runs its product, ``measure()`` its
+    measurement."""
+
+    name: str
+
+    def product(self, op, rhs, dtype) -> jax.Array: ...  # op @ rhs at the layer's blocks
+
+    def measure(self, op, width, wrt=(), cached_only=False) -> Measurement | None: ...
+
+
+class BlockProduct(Protocol):
+    """How a layer multiplies a block of rows by the operand (``Plan.product``): ``_product`` hands it the
+    engine's ``rows_times``, which it may replace."""
+
+    name: str
+
+    def rows_times(self, op, x1, x2, rhs, rows_times) -> Callable[[jax.Array], jax.Array]: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class VmapForm:
     """A block by vmapping the pair call over it: GPJax's form, and the reference."""
@@ -195,11 +227,11 @@ class Plan:
     """How blocks of one kernel on points of D features are made, sized, multiplied and contracted on a backend."""
 
     backend: str  # what it was planned for
-    block: VmapForm  # how a block is made: make(kernel, xa, xb, transposed) -> [len(xa), len(xb)]
+    block: BlockForm  # how a block is made
     contraction_chunk: int | None  # columns of K per matrix-unit product in K @ X, or None: all at once
     contraction_precision: jax.lax.Precision | None  # None: JAX's default, which the user has set
-    sizing: object = None  # None: blocks of batch_size_row rows (the seed's); else a layer's (see LazyKernel)
-    product: object = None  # None: a block's rows times the operand is the block contracted; else a layer's
+    sizing: BlockSizing | None = None  # None: blocks of batch_size_row rows (the seed's)
+    product: BlockProduct | None = None  # None: a block's rows times the operand is the block contracted
     notes: tuple[str, ...] = ()  # why the layers did not take a faster form
 
     def noted(self, note):
