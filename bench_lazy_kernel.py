@@ -36,6 +36,10 @@ The constants in lazy_kernel.py's plan, and what these modes measured for them:
                                   0.92x the time at D = 3, 8, 16 (N = 32768), 0.90x-0.92x at 48, 64 (RBF, GPJax RBF,
                                   Matern52, Laplace), 0.90x at 256 (N = 65536; 1.03x at 32768); the gradient by the
                                   GEMM (half the bytes) 0.94x at 256; at D = 3 (vmap derivatives) 2x rows took 1.45x
+    FUSED_FEATURES_MIN = 16       --fused (TPU v5e): at D = 3 the unfused form took 0.24x the fused one's time
+    FUSED_BACKWARD_FEATURES_MAX = 64  on a v5e, Mosaic had not compiled the fused backward at D = 256 after 200 s
+    the pair program's own derivatives (TPU v5e): one gradient of its block compiled for minutes, and at D = 8
+                                  ran 3.3x the vmap form's time; so its blocks differentiate as the vmap form
 
 GPJax comes from the 'interop' extra, scikit-learn from the 'real' extra.
 Everything a table compares runs in this one process on the same data

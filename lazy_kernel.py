@@ -348,7 +348,7 @@ def _contract(a, b, plan, width):
 def _chunked_contract(a, b, chunk, precision):
     """``a @ b`` as one product per ``chunk`` of n (zero-padded), added on the vector unit: a TPU v5e's matrix
     unit rounds a long float32 sum toward zero (90 eps at N = 65536). The barriers keep the chunks from folding
-    back into one product, and the block whole (fused into it, a block took XLA:TPU 17.8 GB under ``grad``)."""
+    back into one product, and the block whole (fused into it, XLA:TPU held many blocks at once under ``grad``)."""
     (rows, n), cols = a.shape, b.shape[1]
     pad = -n % chunk
     a, b = jax.lax.optimization_barrier(
@@ -1236,8 +1236,8 @@ def _probe_run(kernel, dim, dtype, form):
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
 def _values_block(pair, transposed, form, xa, xb, *consts):
-    """The pair program's block, differentiated as the vmap form (jvp, grad, hessian alike): on a TPU v5e, XLA
-    compiled one gradient of the program's block for minutes, and at D = 8 ran it 3.3x slower than the vmap form's."""
+    """The pair program's block, differentiated as the vmap form (jvp, grad, hessian alike): on a TPU, the
+    program's own gradient compiled slowly and ran slower than the vmap form's (bench_lazy_kernel.py's docstring)."""
     return _pair_program_run(lambda x, y: pair(x, y, *consts), xa, xb, transposed, form).block
 
 
@@ -2295,10 +2295,10 @@ _LAYERS.append(_measured_blocks_plan)
 
 FUSED_PRODUCT = True  # False: no block's product is fused on a TPU
 INTERPRET_PALLAS = False  # True: the fused kernels run interpreted, on any backend (how the tests run them on a CPU)
-FUSED_FEATURES_MIN = 16  # on a TPU, the fused product from here: at D = 3 the unfused form took 0.24x its time
+FUSED_FEATURES_MIN = 16  # on a TPU, the fused product from here: below, the unfused form was faster
 FUSED_WIDTH_MAX = 64  # operand columns the fused product takes; a wider operand gets the unfused form
 FUSED_BACKWARD_FEATURES_MAX = 64  # the fused backward to here; above, the unfused vjp (the backward's work grows
-# with D; Mosaic had not compiled it at D = 256 after 200 s)
+# with D, and Mosaic compiles it slowly at D = 256)
 FUSED_INT8_FEATURES_MIN = 128  # fused digits in int8 from here (half bf16's matrix-unit time, more vector work)
 DIGIT_COUNTS = (3, 4)  # signed 8-bit digits per coordinate: the fewest the rule vouches for
 
@@ -2310,7 +2310,7 @@ class FusedTiles:
 
     rows: int = 512  # rows of K per step of the kernels (a multiple of 32)
     cols: int = 1024  # columns of K per step
-    vmem_limit_bytes: int = 100 * 2**20  # Mosaic's default 16 MiB is too small; tested on a v5e (128 MiB a core)
+    vmem_limit_bytes: int = 100 * 2**20  # Mosaic's default 16 MiB is too small; within a v5e's 128 MiB a core
 
 
 FUSED_TILES = FusedTiles()
