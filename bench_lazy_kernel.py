@@ -9,7 +9,7 @@
     python bench_lazy_kernel.py --sides 8192     # both sides (K @ X, X @ K, gradients) for every form of block
     python bench_lazy_kernel.py --gemm 8192      # squared distances by GEMM against the loop, D = 64 to 256
     python bench_lazy_kernel.py --wide 8192      # float32 distances by the float64 GEMM, by D, x64 off and on
-    python bench_lazy_kernel.py --chunks 8192    # the loop over features by SUM_CHUNK
+    python bench_lazy_kernel.py --chunks 8192    # the loop over features by sum_chunk
     python bench_lazy_kernel.py --precision 32768  # K @ X's contraction at HIGHEST against JAX's default, by width
     python bench_lazy_kernel.py --accelerator 32768  # off the CPU: --kernels at N for every D
     python bench_lazy_kernel.py --accelerator-blocks 32768  # off the CPU: blocks by size, D = 3 to 256
@@ -18,26 +18,26 @@
     python bench_lazy_kernel.py --fused-gradient 16384  # off the CPU: their checkpointed gradients by D
     python bench_lazy_kernel.py                  # all ten at those sizes (not the accelerator tables)
 
-The constants in lazy_kernel.py's plan, and what these modes measured for them:
+The fields of lazy_kernel.SETTINGS, and what these modes measured for them:
 
-    SPLIT_FEATURES_MAX = 2        --split: from 3 features the loop was faster than features written out
-    SUM_CHUNK = 4                 --chunks: features summed pairwise per step of the loop
-    WIDE_GEMM_FEATURES_MIN = 8    --wide: at D = 4 the loop's K @ v was faster than the float64 GEMM, at 8 slower
-    GEMM_FEATURES_MIN = 128       --gemm: at D = 64 random points had 2.2 pairs per row the GEMM cannot vouch
+    split_features_max = 2        --split: from 3 features the loop was faster than features written out
+    sum_chunk = 4                 --chunks: features summed pairwise per step of the loop
+    wide_gemm_features_min = 8    --wide: at D = 4 the loop's K @ v was faster than the float64 GEMM, at 8 slower
+    gemm_features_min = 128       --gemm: at D = 64 random points had 2.2 pairs per row the GEMM cannot vouch
                                   for, so every block fell back to the loop, and took 1.2x the loop's time
-    CPU_BLOCK_BYTES = 4 MiB       --blocks: cache-sized blocks beat larger ones; CPU_MIN_BLOCK = 64: 16 rows slower
-    ACCELERATOR_FEATURES = 2..64  --accelerator-features (TPU v5e, N = 32768): RBF's K @ v took the vmap form's
+    cpu_block_bytes = 4 MiB       --blocks: cache-sized blocks beat larger ones; cpu_min_block = 64: 16 rows slower
+    accelerator_features = 2..64  --accelerator-features (TPU v5e, N = 32768): RBF's K @ v took the vmap form's
                                   time times 0.61, 0.63 at D = 2, 3; 0.58 at 8; 0.72 at 16; 0.90 at 32 (Matern52's
                                   0.58 to 0.96); the same at 1 and 4; 0.75, 0.76 at 48, 64 (in 256 MiB blocks)
-    ACCELERATOR_BLOCK_BYTES = 64 MiB   --accelerator-blocks (TPU v5e, N = 32768): 512-row blocks took RBF's K @ v
+    accelerator_block_bytes = 64 MiB   --accelerator-blocks (TPU v5e, N = 32768): 512-row blocks took RBF's K @ v
                                   0.48x the time of 8192-row ones at D = 3, 0.86x at 16, 0.97x at 256, its
                                   gradient 0.58x at D = 3; the vmap form's 2048-row blocks 1.05x 512-row ones at 64
-    ACCELERATOR_WIDE_BLOCK_BYTES = 256 MiB  the same, blocks the pair program writes out, against 64 MiB: K @ v
+    accelerator_wide_block_bytes = 256 MiB  the same, blocks the pair program writes out, against 64 MiB: K @ v
                                   0.92x the time at D = 3, 8, 16 (N = 32768), 0.90x-0.92x at 48, 64 (RBF, GPJax RBF,
                                   Matern52, Laplace), 0.90x at 256 (N = 65536; 1.03x at 32768); the gradient by the
                                   GEMM (half the bytes) 0.94x at 256; at D = 3 (vmap derivatives) 2x rows took 1.45x
-    FUSED_FEATURES_MIN = 16       --fused (TPU v5e): at D = 3 the unfused form took 0.24x the fused one's time
-    FUSED_BACKWARD_FEATURES_MAX = 64  on a v5e, Mosaic had not compiled the fused backward at D = 256 after 200 s
+    fused_features_min = 16       --fused (TPU v5e): at D = 3 the unfused form took 0.24x the fused one's time
+    fused_backward_features_max = 64  on a v5e, Mosaic had not compiled the fused backward at D = 256 after 200 s
     the pair program's own derivatives (TPU v5e): one gradient of its block compiled for minutes, and at D = 8
                                   ran 3.3x the vmap form's time; so its blocks differentiate as the vmap form
 
@@ -357,14 +357,14 @@ def split_table(n):
         rng = np.random.default_rng(0)
         x = jnp.asarray(rng.normal(size=(n, dim)), jnp.float32)
         v = jnp.asarray(rng.normal(size=n), jnp.float32)
-        forms = (dim, 0)  # SPLIT_FEATURES_MAX: every feature sum written out, or none
+        forms = (dim, 0)  # split_features_max: every feature sum written out, or none
         half = (x[: n // 2], v[: n // 2])
-        forward = median_times([traced_with(product, SPLIT_FEATURES_MAX=s) for s in forms], (x, v))
-        backward = median_times([traced_with(gradient, SPLIT_FEATURES_MAX=s) for s in forms], half)
+        forward = median_times([traced_with(product, split_features_max=s) for s in forms], (x, v))
+        backward = median_times([traced_with(gradient, split_features_max=s) for s in forms], half)
         first = []
         for split in forms:
             begin = time.perf_counter()
-            jax.block_until_ready(jax.jit(traced_with(gradient, SPLIT_FEATURES_MAX=split))(x[:1000], v[:1000]))
+            jax.block_until_ready(jax.jit(traced_with(gradient, split_features_max=split))(x[:1000], v[:1000]))
             first.append(time.perf_counter() - begin)
         cells = [f"{a * 1e3:.0f}, {b * 1e3:.0f} ({a / b:.2f})" for a, b in (forward, backward)]
         print(
@@ -373,17 +373,15 @@ def split_table(n):
 
 
 def traced_with(f, **switches):
-    """``f`` traced with lazy_kernel's module switches (read while tracing) set to ``switches``."""
+    """``f`` traced with ``lazy_kernel.SETTINGS`` (read while tracing) changed by ``switches``."""
 
     def traced(*args):
-        original = {name: getattr(lazy_kernel, name) for name in switches}
+        original = lazy_kernel.SETTINGS
         try:
-            for name, value in switches.items():
-                setattr(lazy_kernel, name, value)
+            lazy_kernel.SETTINGS = original.replace(**switches)
             return f(*args)
         finally:
-            for name, value in original.items():
-                setattr(lazy_kernel, name, value)
+            lazy_kernel.SETTINGS = original
 
     return traced
 
@@ -410,7 +408,7 @@ def side_kinds(gpjax):
     """Kernels of every form a block takes (made from lengthscales, one per feature), each with the switches it is
     traced under: name -> (make, switches)."""
     kinds = {
-        "vmap form (RBF, PAIR_PROGRAM = False)": (lambda ls: RBF(ls, jnp.float32(1.3)), {"PAIR_PROGRAM": False}),
+        "vmap form (RBF, pair_program = False)": (lambda ls: RBF(ls, jnp.float32(1.3)), {"pair_program": False}),
         "pair program (RBF)": (lambda ls: RBF(ls, jnp.float32(1.3)), {}),
         "cross_covariance (inexact GEMM RBF)": (GemmRBF, {}),
         "one lengthscale (RBF; fused on a TPU from D = 16)": (lambda ls: RBF(jnp.mean(ls), jnp.float32(1.3)), {}),
@@ -466,7 +464,7 @@ def unvouched_per_row(x, ls):
 
 
 def gemm_table(n, gpjax):
-    """Squared distances by the GEMM with repair against the loop over features (GEMM_FEATURES_MIN moved past D),
+    """Squared distances by the GEMM with repair against the loop over features (gemm_features_min moved past D),
     on random points and on digits, standardised and randomly projected to 256 features."""
     print("\n## Squared distances by GEMM (with repair) against the loop over features, float32: K @ v and the")
     print(f"## checkpointed gradient as in --kernels (M = N = {n} and {n // 2}, at D = 256 half of each; digits 1797")
@@ -487,7 +485,7 @@ def gemm_table(n, gpjax):
     for name, x in data.items():
         x, dim = jnp.asarray(x, jnp.float32), x.shape[1]
         v, ls = jnp.asarray(rng.normal(size=len(x)), jnp.float32), lengthscales(dim)
-        switches = [{"GEMM_FEATURES_MIN": dim + loop} for loop in (0, 1)]
+        switches = [{"gemm_features_min": dim + loop} for loop in (0, 1)]
         for kernel, (gemm, loop) in switched_ratios(made, switches, ls, x, v).items():
             print(f"| {name} | {kernel} | {gemm} | {loop} | {unvouched_per_row(x, ls):.2f} |", flush=True)
 
@@ -513,16 +511,16 @@ def switched_ratios(made, switches, ls, x, v):
 
 
 def wide_table(n, gpjax):
-    """Float32 distances by the float64 GEMM against the loop (and, from GEMM_FEATURES_MIN, the float32 GEMM), by
+    """Float32 distances by the float64 GEMM against the loop (and, from gemm_features_min, the float32 GEMM), by
     D, with x64 off and on; float64 points by the loop against their GEMM; and a product under vmap over two sets
     of lengthscales (where lax.cond runs both)."""
-    print("\n## Float32 squared distances by the float64 GEMM (WIDE_GEMM_FEATURES_MIN moved below D) against the")
+    print("\n## Float32 squared distances by the float64 GEMM (wide_gemm_features_min moved below D) against the")
     print(f"## forms without it, float32: K @ v at M = N = {n} and the checkpointed gradient at {n // 2} (at D = 256")
     print("## half of each), ratios to the inexact GEMM RBF in the same run\n")
     print("| x64 | D | kernel | float64 GEMM: K @ v, gradient | without: K @ v, gradient |")
     print("|---|---|---|---|---|")
     made = rbf_and_matern52(gpjax)
-    switches = [{"WIDE_GEMM_FEATURES_MIN": minimum} for minimum in (1, 10**9)]
+    switches = [{"wide_gemm_features_min": minimum} for minimum in (1, 10**9)]
     for x64 in (False, True):
         jax.config.update("jax_enable_x64", x64)
         for dim in (4, 8, 16, 64, 256):
@@ -532,11 +530,11 @@ def wide_table(n, gpjax):
             v, ls = jnp.asarray(rng.normal(size=size), jnp.float32), lengthscales(dim)
             for kernel, (wide, without) in switched_ratios(made, switches, ls, x, v).items():
                 print(f"| {'on' if x64 else 'off'} | {dim} | {kernel} | {wide} | {without} |", flush=True)
-        if x64:  # float64 points: the loop below GEMM_FEATURES_MIN, against their GEMM (with repair) there
+        if x64:  # float64 points: the loop below gemm_features_min, against their GEMM (with repair) there
             for dim in (16, 64):
                 x = jnp.asarray(np.random.default_rng(0).normal(size=(n, dim)))
                 v, ls = jnp.ones(n), lengthscales(dim).astype(jnp.float64)
-                gemm = [{"GEMM_FEATURES_MIN": minimum} for minimum in (1, 10**9)]
+                gemm = [{"gemm_features_min": minimum} for minimum in (1, 10**9)]
                 for kernel, (by_gemm, loop) in switched_ratios(made, gemm, ls, x, v).items():
                     print(f"| on, float64 points | {dim} | {kernel} | GEMM {by_gemm} | loop {loop} |", flush=True)
     jax.config.update("jax_enable_x64", False)
@@ -558,9 +556,9 @@ def wide_table(n, gpjax):
 
 
 def chunks_table(n):
-    """The loop over features by SUM_CHUNK (one feature a step, or chunks summed pairwise), on Laplace and on RBF
+    """The loop over features by sum_chunk (one feature a step, or chunks summed pairwise), on Laplace and on RBF
     with the float64 GEMM off: K @ v at M = N = n and the checkpointed gradient at n / 2."""
-    print(f"\n## The loop over features by SUM_CHUNK, float32: K @ v at M = N = {n}, the checkpointed gradient at")
+    print(f"\n## The loop over features by sum_chunk, float32: K @ v at M = N = {n}, the checkpointed gradient at")
     print(f"## {n // 2}, ratios to the inexact GEMM RBF in the same run\n")
     print("| D | kernel | one at a time | chunks of 2 | chunks of 4 | chunks of 8 |")
     print("|---|---|---|---|---|---|")
@@ -568,7 +566,7 @@ def chunks_table(n):
         "pair: Laplace": lambda ls: lambda x, y: jnp.exp(-jnp.sum(jnp.abs(x - y) / ls)),
         "lazy_kernel.RBF": lambda ls: RBF(ls, jnp.float32(1.3)),
     }
-    switches = [{"SUM_CHUNK": chunk, "WIDE_GEMM_FEATURES_MIN": 10**9} for chunk in (10**9, 2, 4, 8)]
+    switches = [{"sum_chunk": chunk, "wide_gemm_features_min": 10**9} for chunk in (10**9, 2, 4, 8)]
     for dim in (16, 64):
         rng = np.random.default_rng(0)
         x = jnp.asarray(rng.normal(size=(n, dim)), jnp.float32)
@@ -638,9 +636,9 @@ def accelerator_blocks_table(n):
 
 
 def accelerator_features_table(n, gpjax):
-    """Off the CPU: blocks with every feature written out (D added to ACCELERATOR_FEATURES) against the vmap
+    """Off the CPU: blocks with every feature written out (D added to accelerator_features) against the vmap
     form, by D, ratios to the inexact GEMM RBF in the same run."""
-    print("\n## Every feature written out (D in ACCELERATOR_FEATURES) against the vmap form, float32: K @ v at")
+    print("\n## Every feature written out (D in accelerator_features) against the vmap form, float32: K @ v at")
     print(f"## M = N = {n} and the checkpointed gradient at {n // 2}, ratios to the inexact GEMM RBF in the same run\n")
     print("| D | kernel | written out: K @ v, gradient | vmap form: K @ v, gradient |")
     print("|---|---|---|---|")
@@ -649,18 +647,18 @@ def accelerator_features_table(n, gpjax):
         rng = np.random.default_rng(0)
         x = jnp.asarray(rng.normal(size=(n, dim)), jnp.float32)
         v, ls = jnp.asarray(rng.normal(size=n), jnp.float32), lengthscales(dim)
-        features = set(lazy_kernel.ACCELERATOR_FEATURES)
-        switches = [{"ACCELERATOR_FEATURES": tuple(sorted(f))} for f in (features | {dim}, features - {dim})]
+        features = set(lazy_kernel.SETTINGS.accelerator_features)
+        switches = [{"accelerator_features": tuple(sorted(f))} for f in (features | {dim}, features - {dim})]
         for kernel, (written, vmapped) in switched_ratios(made, switches, ls, x, v).items():
             print(f"| {dim} | {kernel} | {written} | {vmapped} |", flush=True)
 
 
 def fused_table(n, gpjax, dims=(3, 16, 32, 64, 128, 256)):
-    """Off the CPU: products with one scalar lengthscale, which a TPU fuses from FUSED_FEATURES_MIN, against the
-    same RBF with FUSED_PRODUCT off and the inexact GEMM RBF, by D."""
+    """Off the CPU: products with one scalar lengthscale, which a TPU fuses from fused_features_min, against the
+    same RBF with fused_product off and the inexact GEMM RBF, by D."""
     print(f"\n## Fused products, lengthscale sqrt(D / 3), float32, M = N = {n}: K @ v, K @ X (16 columns)")
     print("## in ms, ratios to the inexact GEMM RBF in the same run\n")
-    names = ["inexact GEMM RBF", "lazy_kernel.RBF", "RBF, FUSED_PRODUCT off"] + ["GPJax RBF"] * (gpjax is not None)
+    names = ["inexact GEMM RBF", "lazy_kernel.RBF", "RBF, fused_product off"] + ["GPJax RBF"] * (gpjax is not None)
     print(f"| D | {' | '.join(names)} |")
     print("|---" * (len(names) + 1) + "|")
     for dim in dims:
@@ -673,7 +671,7 @@ def fused_table(n, gpjax, dims=(3, 16, 32, 64, 128, 256)):
         if gpjax is not None:
             made.append(gpjax.kernels.RBF(lengthscale=ls, variance=jnp.float32(1.3)))
         functions = [product(k) for k in made]
-        functions.insert(2, traced_with(product(made[1]), FUSED_PRODUCT=False))
+        functions.insert(2, traced_with(product(made[1]), fused_product=False))
         by_v, by_wide = (median_times(functions, (x, operand)) for operand in (v, wide))
         cells = [
             f"{a * 1e3:.1f}, {b * 1e3:.1f} ({a / by_v[0]:.2f}, {b / by_wide[0]:.2f})"
@@ -684,10 +682,10 @@ def fused_table(n, gpjax, dims=(3, 16, 32, 64, 128, 256)):
 
 def fused_gradient_table(n, gpjax):
     """Off the CPU: the checkpointed gradient of sum(sin(K @ v)) in (lengthscale, points, v) at one scalar
-    lengthscale, fused where the fused layer takes it, against the same RBF with FUSED_PRODUCT off and the GEMM RBF,
+    lengthscale, fused where the fused layer takes it, against the same RBF with fused_product off and the GEMM RBF,
     by D."""
     print(f"\n## Fused gradients , lengthscale sqrt(D / 3), float32, M = N = {n}: ms, ratios to the GEMM's\n")
-    names = ["inexact GEMM RBF", "lazy_kernel.RBF", "RBF, FUSED_PRODUCT off"] + ["GPJax Matern52"] * (gpjax is not None)
+    names = ["inexact GEMM RBF", "lazy_kernel.RBF", "RBF, fused_product off"] + ["GPJax Matern52"] * (gpjax is not None)
     print(f"| D | {' | '.join(names)} |")
     print("|---" * (len(names) + 1) + "|")
     for dim in (16, 32, 64, 128, 256):
@@ -697,7 +695,7 @@ def fused_gradient_table(n, gpjax):
         if gpjax is not None:
             makes.append(lambda ls: gpjax.kernels.Matern52(lengthscale=ls, variance=jnp.float32(1.3)))
         functions = gradients(makes)
-        functions.insert(2, traced_with(functions[1], FUSED_PRODUCT=False))
+        functions.insert(2, traced_with(functions[1], fused_product=False))
         seconds = median_times(functions, (jnp.float32(np.sqrt(dim / 3)), x, v))
         print(f"| {dim} | {' | '.join(f'{t * 1e3:.1f} ({t / seconds[0]:.2f})' for t in seconds)} |", flush=True)
 

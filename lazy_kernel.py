@@ -12,15 +12,16 @@ are recomputed in the backward pass instead of stored.
 
 Reading map. The core comes first and runs alone: 1. kernels; 2. the plan
 (``block_plan``: how a block is made, sized, multiplied and contracted, once
-per kernel structure, D, dtype and backend; each optional layer refines it
-through ``_LAYERS``, the core's one seam); 3. the engine (``_blockwise_matmul``,
-the loop above); 4. the operator (``LazyKernel``, and ``KernelSum``: its sums,
-multiples and ``solve``); 5. the check (``python
-lazy_kernel.py``). Optional layers follow, each one span between ``# ---
-begin optional layer`` and ``# --- end optional layer`` lines (delete one, and
-those that need it, and the rest runs): the pair program (``PairProgramForm``:
-the vmap form's numbers, faster), measured blocks (``MeasuredBlocks``: the
-budget bounds XLA's measured peak) and the fused TPU product (``FusedProduct``).
+per kernel structure, D, dtype and ``SETTINGS``; each optional layer refines it
+through ``_LAYERS``, the core's seam, using only the core's ``_LAYER_API``); 3. the
+engine (``_blockwise_matmul``, the loop above); 4. the operator (``LazyKernel``);
+5. the check (``python lazy_kernel.py``). Optional layers follow, each one span
+between ``# --- begin optional layer`` and ``# --- end optional layer`` lines
+(delete one, and those that stand on it, and the rest runs): sums and solves
+(``KernelSum``, ``LazyKernel.solve``), kernel programs (a kernel's jaxpr walked,
+which the next two stand on), the pair program (``PairProgramForm``: the vmap
+form's numbers, faster), measured blocks (``MeasuredBlocks``: the budget bounds
+XLA's measured peak) and the fused TPU product (``FusedProduct``).
 
 The file depends on ``jax`` alone: copy it into your project if you like.
 """
@@ -51,19 +52,15 @@ import numpy as np
 
 __all__ = [
     "CrossCovarianceKernel",
-    "KernelSum",
     "LazyKernel",
     "Measurement",
     "PairKernel",
     "Plan",
     "RBF",
-    "SolveInfo",
     "block_evaluation",
     "block_plan",
     "kernel_block",
 ]
-
-BACKEND = None  # the backend blocks are planned for; None: JAX's default (the tests plan for "tpu" on a CPU)
 
 
 # --------------------------------------------------------------------------
@@ -223,6 +220,22 @@ class CrossCovarianceForm(VmapForm):
 
 
 @dataclasses.dataclass(frozen=True)
+class Settings:
+    """The switches and constants plans follow, one frozen value: ``SETTINGS``. Change them by replacing it,
+    ``lazy_kernel.SETTINGS = lazy_kernel.SETTINGS.replace(backend="tpu")``; each optional layer extends it with
+    fields of its own."""
+
+    backend: str | None = None  # the backend blocks are planned for; None: JAX's default
+    contraction_chunk: int = 2048  # a TPU's matrix unit sums this many float32 terms within 2 eps (_chunked_contract)
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+
+SETTINGS = Settings()
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     """How blocks of one kernel on points of D features are made, sized, multiplied and contracted on a backend."""
 
@@ -242,23 +255,27 @@ class Plan:
         return " + ".join(part.name for part in (self.block, self.sizing, self.product) if part is not None)
 
 
-CONTRACTION_CHUNK = 2048  # a TPU's matrix unit sums this many float32 terms within 2 eps (see _chunked_contract)
 _LAYERS = []  # refine(plan, kernel, dim, dtype) -> plan, one for each optional layer in the file: the core's seam
+# What a layer may use of the core besides its public names: the layers' API.
+_LAYER_API = (
+    *("_LAYERS", "_Operator", "_traced", "_settings", "_product", "_contract", "_vmap_block", "_probe_blocks"),
+    *("_zeros_varying_like", "_is_array"),
+)
 _PLANS = {}  # (kernel structure, D, dtype, backend, settings) -> Plan
 
 
 def block_plan(kernel: PairKernel, dim: int, dtype=jnp.float32) -> Plan:
     """How blocks of ``kernel`` on points of ``dim`` features and ``dtype`` are made here (traced, not run): the
-    only reader of ``jax.default_backend()`` (or ``BACKEND``). Cached by the kernel's structure, D, dtype, backend
+    only reader of ``jax.default_backend()`` (or ``SETTINGS.backend``). Cached by the kernel's structure, D, dtype
     and settings."""
-    backend, dtype = BACKEND or jax.default_backend(), jnp.dtype(dtype)
+    backend, dtype = SETTINGS.backend or jax.default_backend(), jnp.dtype(dtype)
     structure = _structure(kernel, dim, dtype)
     key = (structure, dim, dtype, backend, _settings())
     if structure is not None and key in _PLANS:
         return _PLANS[key]
     chunked = backend != "cpu" and hasattr(jax.lax, "optimization_barrier")  # JAX 0.4.31 on
     own = CrossCovarianceForm() if hasattr(kernel, "cross_covariance") else VmapForm()
-    plan = Plan(backend, own, CONTRACTION_CHUNK if chunked else None, _contraction_precision())
+    plan = Plan(backend, own, SETTINGS.contraction_chunk if chunked else None, _contraction_precision())
     for refine in _LAYERS:
         plan = refine(plan, kernel, dim, dtype)
     if structure is not None:
@@ -299,11 +316,8 @@ def _structure(kernel, dim, dtype):
 
 
 def _settings():
-    """The module's settings (its public upper-case names: switches and constants, which the tests and the bench
-    change), JAX's and the layers present, as a plan depends on them."""
-    names = sorted(name for name in globals() if name.isupper() and not name.startswith("_"))
-    jax_settings = (jax.config.jax_default_matmul_precision, jax.config.jax_enable_x64)
-    return (*((name, repr(globals()[name])) for name in names), *jax_settings, *_LAYERS)
+    """What a plan depends on besides the kernel: ``SETTINGS``, JAX's settings and the layers present."""
+    return SETTINGS, jax.config.jax_default_matmul_precision, jax.config.jax_enable_x64, *_LAYERS
 
 
 def _contraction_precision():
@@ -418,20 +432,24 @@ class Measurement(NamedTuple):
     limit_mb: float  # max_memory_mb + twice the data (x1, x2, kernel arrays, operand, result); nan if given
 
 
-@jax.tree_util.register_pytree_node_class
-class LazyKernel:
-    """The kernel matrix ``K[i, j] = kernel(x1[i], x2[j])``, [M, N], never stored whole: ``K @ X`` and ``X @ K``
-    (NumPy's matmul rules), ``.T``, ``.to_dense()``, ``.diagonal()``; a pytree of x1, x2 and the kernel's arrays.
-    ``max_memory_mb`` bounds the blocks' memory, or ``batch_size`` fixes their rows; ``checkpoint=True``
-    recomputes blocks in the backward pass rather than storing them."""
+class _Operator:
+    """What multiplies like a matrix and is never stored whole: LazyKernel, and a layer's operators."""
 
     __array_ufunc__ = None  # NumPy arrays on the left defer to __rmatmul__
 
     def __array__(self, *_, **__):
         raise TypeError(
-            f"LazyKernel{self.shape} is not converted to an array, which would make the whole matrix: multiply by "
-            "it, or call .to_dense() where the matrix is small enough to hold"
+            f"{type(self).__name__}{self.shape} is not converted to an array, which would make the whole matrix: "
+            "multiply by it, or call .to_dense() where the matrix is small enough to hold"
         )
+
+
+@jax.tree_util.register_pytree_node_class
+class LazyKernel(_Operator):
+    """The kernel matrix ``K[i, j] = kernel(x1[i], x2[j])``, [M, N], never stored whole: ``K @ X`` and ``X @ K``
+    (NumPy's matmul rules), ``.T``, ``.to_dense()``, ``.diagonal()``; a pytree of x1, x2 and the kernel's arrays.
+    ``max_memory_mb`` bounds the blocks' memory, or ``batch_size`` fixes their rows; ``checkpoint=True``
+    recomputes blocks in the backward pass rather than storing them."""
 
     def __init__(self, kernel, x1, x2, /, *, max_memory_mb=2**10, batch_size=None, checkpoint=False):
         if not callable(kernel):
@@ -507,7 +525,7 @@ class LazyKernel:
 
     def _operand(self, other, side):
         """``other`` as a JAX array, with its size along K's ``side`` axis checked."""
-        if isinstance(other, (LazyKernel, KernelSum)):
+        if isinstance(other, _Operator):
             raise TypeError("the product of two LazyKernels is not supported; multiply by arrays")
         x = jnp.asarray(other)
         if x.ndim == 0:
@@ -578,47 +596,6 @@ class LazyKernel:
         x1, x2 = jnp.asarray(self.x1)[:k], jnp.asarray(self.x2)[:k]
         return jax.vmap(self.kernel)(*((x2, x1) if self.transposed else (x1, x2))).astype(self.dtype)
 
-    # -- algebra: c * K, K1 + K2, K + diag(d) give a KernelSum; solve ------------
-
-    def __add__(self, other):
-        """``A + B``, both of one shape; kernels on the same points (the same ``x1`` and ``x2`` objects) are added
-        into one kernel, one loop of blocks."""
-        return _sum(self, other) if isinstance(other, (LazyKernel, KernelSum)) else NotImplemented
-
-    def __sub__(self, other):
-        return _sum(self, -other) if isinstance(other, (LazyKernel, KernelSum)) else NotImplemented
-
-    def __mul__(self, scalar):
-        """``c * A``, ``A * c``, ``c`` a Python or JAX scalar, traced or not."""
-        return _scaled(self, scalar, jnp.multiply)
-
-    __rmul__ = __mul__
-
-    def __truediv__(self, scalar):
-        return _scaled(self, scalar, jnp.divide)
-
-    def __neg__(self):
-        return _scaled(self, -1, jnp.multiply)
-
-    def add_diagonal(self, d) -> KernelSum:
-        """``A + diag(d)`` for a square A, ``d`` a scalar or [M]: ``K.add_diagonal(noise)`` is K + noise I."""
-        (m, n), d = self.shape, jnp.asarray(d)
-        if m != n or d.shape not in ((), (m,)):
-            raise ValueError(f"add_diagonal: A must be square and d a scalar or [{m}]; got A {self.shape}, d {d.shape}")
-        op = _as_sum(self)
-        return KernelSum(op.terms, _plus(op.added, jnp.broadcast_to(d, (m,))))
-
-    def solve(self, y, *, rtol=None, max_steps=None, preconditioner=None, return_info=False):
-        """``A^-1 y`` for a symmetric positive definite A, y [M] or [M, k] (its columns together), by conjugate
-        gradients: each column until its residual, as CG updates it, is within ``rtol |y|`` (default 32 eps of the
-        dtype, 3.8e-6 in float32: twice the 16 eps of ``|A| |x|`` a product may err by, the least a residual computed
-        with them shows) or ``max_steps`` (default ``10 M``, SciPy's). ``preconditioner``: ``r -> P^-1 r``, P near
-        A and symmetric positive definite. Gradients solve the adjoint system (``jax.lax.custom_linear_solve``), not
-        through the steps. ``return_info=True``: ``(x, SolveInfo(steps, residual))``."""
-        if _traced(self, y, rtol, max_steps):
-            return _solve(self, y, rtol, max_steps, preconditioner, return_info)
-        return _compiled_solve(self, y, rtol, max_steps, _settings(), preconditioner, return_info)
-
     def __repr__(self):
         plan = self.plan
         known = plan.sizing and plan.sizing.measure(self, 1, cached_only=True)
@@ -680,12 +657,6 @@ def _compiled_matmul(op, x, settings):
     return _matmul(op, x)
 
 
-@functools.partial(jax.jit, static_argnums=(4, 5, 6))
-def _compiled_solve(op, y, rtol, max_steps, settings, preconditioner, return_info):
-    """``_solve`` outside ``jit``, compiled once per structure as ``_compiled_matmul``."""
-    return _solve(op, y, rtol, max_steps, preconditioner, return_info)
-
-
 def _reverse_mode_policy(op):
     """What reverse mode saves of ``op``'s blocks: nothing with ``checkpoint`` (None); else every value, as
     without ``jax.checkpoint``, warning that it does. JAX asks the policy only in reverse mode (grad, vjp,
@@ -710,158 +681,6 @@ def _reverse_mode_policy(op):
     return save_every_value
 
 
-@jax.tree_util.register_pytree_node_class
-class KernelSum:
-    """``sum_i c_i K_i + diag(d)``, what ``c * K``, ``K1 + K2``, ``K1 - K2`` and ``K.add_diagonal(d)`` give, never
-    stored whole: ``@`` on both sides (NumPy's matmul rules), ``.T``, ``diagonal()``, ``to_dense()`` and
-    LazyKernel's algebra and ``solve``. ``terms``: pairs (c_i, K_i) of a scalar and a LazyKernel, one for each set
-    of points; ``added``: d, [M], or None. A pytree."""
-
-    __array_ufunc__, __array__ = None, LazyKernel.__array__  # NumPy defers to __rmatmul__; no conversion
-    __add__, __sub__, __neg__ = LazyKernel.__add__, LazyKernel.__sub__, LazyKernel.__neg__
-    __mul__ = __rmul__ = LazyKernel.__mul__
-    __truediv__, add_diagonal, solve = LazyKernel.__truediv__, LazyKernel.add_diagonal, LazyKernel.solve
-
-    def __init__(self, terms, added):
-        self.terms, self.added = tuple(terms), added
-
-    @property
-    def shape(self):
-        return self.terms[0][1].shape
-
-    @property
-    def dtype(self):
-        added = () if self.added is None else (self.added,)
-        return jnp.result_type(*added, *(c for c, _ in self.terms), *(k.dtype for _, k in self.terms))
-
-    def __matmul__(self, other):
-        out = sum(c * (k @ other) for c, k in self.terms)
-        if self.added is None:
-            return out
-        x = jnp.asarray(other)
-        return out + (self.added[:, None] if x.ndim > 1 else self.added) * x
-
-    def __rmatmul__(self, other):
-        out = sum(c * (other @ k) for c, k in self.terms)
-        return out if self.added is None else out + jnp.asarray(other) * self.added
-
-    @property
-    def T(self) -> KernelSum:
-        return KernelSum([(c, k.T) for c, k in self.terms], self.added)
-
-    def to_dense(self) -> jax.Array:
-        """The whole [M, N] matrix (it is materialised: for small problems and checks)."""
-        dense = sum(c * k.to_dense() for c, k in self.terms)
-        return dense if self.added is None else dense + jnp.diag(self.added)
-
-    def diagonal(self) -> jax.Array:
-        diagonal = sum(c * k.diagonal() for c, k in self.terms)
-        return diagonal if self.added is None else diagonal + self.added
-
-    def __repr__(self):
-        return f"KernelSum(terms={list(self.terms)!r}, added={self.added!r})"
-
-    def tree_flatten(self):
-        return (self.terms, self.added), None
-
-    @classmethod
-    def tree_unflatten(cls, _, children):
-        return cls(*children)
-
-
-def _as_sum(op):
-    """``op`` as a KernelSum: a LazyKernel K as 1 K."""
-    return op if isinstance(op, KernelSum) else KernelSum([(jnp.asarray(1), op)], None)
-
-
-def _scaled(op, scalar, times):
-    """``times(op, scalar)``, ``times`` multiplying or dividing; NotImplemented unless ``scalar`` is a scalar."""
-    if isinstance(scalar, (LazyKernel, KernelSum)) or jnp.ndim(scalar) != 0:
-        return NotImplemented
-    op = _as_sum(op)
-    added = None if op.added is None else times(op.added, scalar)
-    return KernelSum([(times(c, scalar), k) for c, k in op.terms], added)
-
-
-def _sum(a, b):
-    """``a + b``: a term of b on the points of one of a's is added into that one's kernel."""
-    if a.shape != b.shape:
-        raise ValueError(f"cannot add operators of shapes {a.shape} and {b.shape}")
-    a, b = _as_sum(a), _as_sum(b)
-    on_points = {(id(k.x1), id(k.x2), k.transposed): (c, k) for c, k in a.terms}
-    for c, k in b.terms:
-        points = (id(k.x1), id(k.x2), k.transposed)
-        on_points[points] = (jnp.asarray(1), _merged(*on_points[points], c, k)) if points in on_points else (c, k)
-    return KernelSum(on_points.values(), _plus(a.added, b.added))
-
-
-def _plus(added, d):
-    """Two added diagonals, each [M] or None, added."""
-    return d if added is None else added if d is None else added + d
-
-
-def _weighted_sum(c1, k1, c2, k2, x, y):
-    """``c1 k1(x, y) + c2 k2(x, y)``, in a ``Partial`` a pytree kernel of both; no ``cross_covariance``, were one of
-    them to have one: its blocks are the pair call's."""
-    return c1 * k1(x, y) + c2 * k2(x, y)
-
-
-def _merged(c1, k1, c2, k2):
-    """``c1 K1 + c2 K2``, both on the same points, as one LazyKernel (the least budget and batch size)."""
-    if k1.transposed:
-        return _merged(c1, k1.T, c2, k2.T).T
-    kernel = jax.tree_util.Partial(_weighted_sum, c1, k1.kernel, c2, k2.kernel)
-    sizes = [size for size in (k1.batch_size, k2.batch_size) if size is not None]
-    settings = dict(max_memory_mb=min(k1.max_memory_mb, k2.max_memory_mb), checkpoint=k1.checkpoint or k2.checkpoint)
-    return LazyKernel(kernel, k1.x1, k1.x2, batch_size=min(sizes, default=None), **settings)
-
-
-class SolveInfo(NamedTuple):
-    """How ``A.solve(y, return_info=True)`` ended."""
-
-    steps: jax.Array  # conjugate-gradient steps taken, each one product A @ (y-sized)
-    residual: jax.Array  # |y - A x| / |y| per column of y (a scalar for y [M]), by one more product
-
-
-def _solve(op, y, rtol, max_steps, preconditioner, return_info):
-    """``op.solve``: preconditioned conjugate gradients, each column of y with its own step sizes."""
-    (m, n), y = op.shape, jnp.asarray(y)
-    if m != n or y.ndim not in (1, 2) or y.shape[0] != m:
-        raise ValueError(f"solve: A must be square and y [{m}] or [{m}, k]; got A {op.shape}, y {y.shape}")
-    y = y.astype(jnp.result_type(op.dtype, y.dtype))
-    rtol = 32 * jnp.finfo(y.dtype).eps if rtol is None else rtol
-    max_steps = 10 * m if max_steps is None else max_steps
-    precondition = preconditioner or (lambda r: r)
-
-    def conjugate_gradients(matvec, b):
-        b_norm = jnp.linalg.norm(b, axis=0)
-        unfinished = lambda r: jnp.linalg.norm(r, axis=0) > rtol * b_norm  # noqa: E731
-
-        def step(state):
-            x, r, p, rz, steps = state
-            q, active = matvec(p), unfinished(r)
-            alpha = jnp.where(active, rz / jnp.sum(p * q, 0), 0)  # finished columns stay as they are
-            x, r = x + alpha * p, r - alpha * q
-            z = precondition(r)
-            rz_next = jnp.sum(r * z, 0)
-            return x, r, z + jnp.where(active, rz_next / rz, 0) * p, rz_next, steps + 1
-
-        z = precondition(b)
-        # 0, from b: under jax.shard_map it varies over devices as b does (JAX 0.10's custom_linear_solve refuses a
-        # constant 0 there, XLA 0.4 the loop holding one)
-        no_steps = jnp.sum(b_norm < 0, dtype=jnp.int32)
-        start = (jnp.zeros_like(b), b, z, jnp.sum(b * z, 0), no_steps)
-        running = lambda state: (state[-1] < max_steps) & jnp.any(unfinished(state[1]))  # noqa: E731
-        x, *_, steps = jax.lax.while_loop(running, step, start)
-        return x, steps
-
-    x, steps = jax.lax.custom_linear_solve(lambda v: op @ v, y, conjugate_gradients, symmetric=True, has_aux=True)
-    if not return_info:
-        return x
-    y_norm = jnp.maximum(jnp.linalg.norm(y, axis=0), jnp.finfo(y.dtype).tiny)
-    return x, SolveInfo(steps, jnp.linalg.norm(y - op @ x, axis=0) / y_norm)
-
-
 # --------------------------------------------------------------------------
 # 5. python lazy_kernel.py: check this machine against a dense NumPy oracle
 # --------------------------------------------------------------------------
@@ -880,7 +699,7 @@ SANITY_CONTRACT_EPS = 16  # the operator's contract: 16 eps of the scale plus 4x
 CHECK_DIMS = (3, 16, 128)  # a form of each kind the plan picks: features written out or a loop; the fused form
 # (TPU) or the float64 GEMM (CPU); int8 digits (TPU) or the GEMM
 CHECK_POINTS = {"cpu": 8191, "float32": 65536, "float64": 4096}  # N: on a CPU a prime, so that the last block
-# overlaps the one before; off it 32 CONTRACTION_CHUNKs, a sum a TPU's matrix unit errs on in one product
+# overlaps the one before; off it 32 contraction chunks, a sum a TPU's matrix unit errs on in one product
 FLOAT64_ACCELERATOR_BATCH = 512  # float64 off the CPU: emulated, its blocks' measurements compile for minutes
 INSTALL = {"tpu": 'pip install -e ".[tpu]"', "gpu": 'pip install -e ".[cuda12]" (or ".[cuda13]")'}
 _TPU_PCI_DEVICES = ("0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f", "0x0076")  # Google's, as JAX lists
@@ -1081,6 +900,319 @@ def main(argv=None) -> int:
     return 1 if failures else 0
 
 
+# --- begin optional layer: sums and solves ---
+#
+# c * K, K / c, -K, K1 + K2, K1 - K2 and K.add_diagonal(d) give a KernelSum, lazy like K; A.solve(y) is conjugate
+# gradients on its products. LazyKernel takes these methods from KernelSum (at this span's end): cut the span, and
+# it multiplies alone, as the seed.
+
+
+@jax.tree_util.register_pytree_node_class
+class KernelSum(_Operator):
+    """``sum_i c_i K_i + diag(d)``, what ``c * K``, ``K1 + K2``, ``K1 - K2`` and ``K.add_diagonal(d)`` give, never
+    stored whole: ``@`` on both sides (NumPy's matmul rules), ``.T``, ``diagonal()``, ``to_dense()`` and
+    LazyKernel's algebra and ``solve``. ``terms``: pairs (c_i, K_i) of a scalar and a LazyKernel, one for each set
+    of points; ``added``: d, [M], or None. A pytree."""
+
+    def __init__(self, terms, added):
+        self.terms, self.added = tuple(terms), added
+
+    @property
+    def shape(self):
+        return self.terms[0][1].shape
+
+    @property
+    def dtype(self):
+        added = () if self.added is None else (self.added,)
+        return jnp.result_type(*added, *(c for c, _ in self.terms), *(k.dtype for _, k in self.terms))
+
+    def __matmul__(self, other):
+        out = sum(c * (k @ other) for c, k in self.terms)
+        if self.added is None:
+            return out
+        x = jnp.asarray(other)
+        return out + (self.added[:, None] if x.ndim > 1 else self.added) * x
+
+    def __rmatmul__(self, other):
+        out = sum(c * (other @ k) for c, k in self.terms)
+        return out if self.added is None else out + jnp.asarray(other) * self.added
+
+    @property
+    def T(self) -> KernelSum:
+        return KernelSum([(c, k.T) for c, k in self.terms], self.added)
+
+    def to_dense(self) -> jax.Array:
+        """The whole [M, N] matrix (it is materialised: for small problems and checks)."""
+        dense = sum(c * k.to_dense() for c, k in self.terms)
+        return dense if self.added is None else dense + jnp.diag(self.added)
+
+    def diagonal(self) -> jax.Array:
+        diagonal = sum(c * k.diagonal() for c, k in self.terms)
+        return diagonal if self.added is None else diagonal + self.added
+
+    def __add__(self, other):
+        """``A + B``, both of one shape; kernels on the same points (the same ``x1`` and ``x2`` objects) are added
+        into one kernel, one loop of blocks."""
+        return _sum(self, other) if isinstance(other, _Operator) else NotImplemented
+
+    def __sub__(self, other):
+        return _sum(self, -other) if isinstance(other, _Operator) else NotImplemented
+
+    def __mul__(self, scalar):
+        """``c * A``, ``A * c``, ``c`` a Python or JAX scalar, traced or not."""
+        return _scaled(self, scalar, jnp.multiply)
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, scalar):
+        return _scaled(self, scalar, jnp.divide)
+
+    def __neg__(self):
+        return _scaled(self, -1, jnp.multiply)
+
+    def add_diagonal(self, d) -> KernelSum:
+        """``A + diag(d)`` for a square A, ``d`` a scalar or [M]: ``K.add_diagonal(noise)`` is K + noise I."""
+        (m, n), d = self.shape, jnp.asarray(d)
+        if m != n or d.shape not in ((), (m,)):
+            raise ValueError(f"add_diagonal: A must be square and d a scalar or [{m}]; got A {self.shape}, d {d.shape}")
+        op = _as_sum(self)
+        return KernelSum(op.terms, _plus(op.added, jnp.broadcast_to(d, (m,))))
+
+    def solve(self, y, *, rtol=None, max_steps=None, preconditioner=None, return_info=False):
+        """``A^-1 y`` for a symmetric positive definite A, y [M] or [M, k] (its columns together), by conjugate
+        gradients: each column until its residual, as CG updates it, is within ``rtol |y|`` (default 32 eps of the
+        dtype, 3.8e-6 in float32: twice the 16 eps of ``|A| |x|`` a product may err by, the least a residual computed
+        with them shows) or ``max_steps`` (default ``10 M``, SciPy's). ``preconditioner``: ``r -> P^-1 r``, P near
+        A and symmetric positive definite. Gradients solve the adjoint system (``jax.lax.custom_linear_solve``), not
+        through the steps. ``return_info=True``: ``(x, SolveInfo(steps, residual))``."""
+        if _traced(self, y, rtol, max_steps):
+            return _solve(self, y, rtol, max_steps, preconditioner, return_info)
+        return _compiled_solve(self, y, rtol, max_steps, _settings(), preconditioner, return_info)
+
+    def __repr__(self):
+        return f"KernelSum(terms={list(self.terms)!r}, added={self.added!r})"
+
+    def tree_flatten(self):
+        return (self.terms, self.added), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+
+
+def _as_sum(op):
+    """``op`` as a KernelSum: a LazyKernel K as 1 K."""
+    return op if isinstance(op, KernelSum) else KernelSum([(jnp.asarray(1), op)], None)
+
+
+def _scaled(op, scalar, times):
+    """``times(op, scalar)``, ``times`` multiplying or dividing; NotImplemented unless ``scalar`` is a scalar."""
+    if isinstance(scalar, _Operator) or jnp.ndim(scalar) != 0:
+        return NotImplemented
+    op = _as_sum(op)
+    added = None if op.added is None else times(op.added, scalar)
+    return KernelSum([(times(c, scalar), k) for c, k in op.terms], added)
+
+
+def _sum(a, b):
+    """``a + b``: a term of b on the points of one of a's is added into that one's kernel."""
+    if a.shape != b.shape:
+        raise ValueError(f"cannot add operators of shapes {a.shape} and {b.shape}")
+    a, b = _as_sum(a), _as_sum(b)
+    on_points = {(id(k.x1), id(k.x2), k.transposed): (c, k) for c, k in a.terms}
+    for c, k in b.terms:
+        points = (id(k.x1), id(k.x2), k.transposed)
+        on_points[points] = (jnp.asarray(1), _merged(*on_points[points], c, k)) if points in on_points else (c, k)
+    return KernelSum(on_points.values(), _plus(a.added, b.added))
+
+
+def _plus(added, d):
+    """Two added diagonals, each [M] or None, added."""
+    return d if added is None else added if d is None else added + d
+
+
+def _weighted_sum(c1, k1, c2, k2, x, y):
+    """``c1 k1(x, y) + c2 k2(x, y)``, in a ``Partial`` a pytree kernel of both; no ``cross_covariance``, were one of
+    them to have one: its blocks are the pair call's."""
+    return c1 * k1(x, y) + c2 * k2(x, y)
+
+
+def _merged(c1, k1, c2, k2):
+    """``c1 K1 + c2 K2``, both on the same points, as one LazyKernel (the least budget and batch size)."""
+    if k1.transposed:
+        return _merged(c1, k1.T, c2, k2.T).T
+    kernel = jax.tree_util.Partial(_weighted_sum, c1, k1.kernel, c2, k2.kernel)
+    sizes = [size for size in (k1.batch_size, k2.batch_size) if size is not None]
+    settings = dict(max_memory_mb=min(k1.max_memory_mb, k2.max_memory_mb), checkpoint=k1.checkpoint or k2.checkpoint)
+    return LazyKernel(kernel, k1.x1, k1.x2, batch_size=min(sizes, default=None), **settings)
+
+
+class SolveInfo(NamedTuple):
+    """How ``A.solve(y, return_info=True)`` ended."""
+
+    steps: jax.Array  # conjugate-gradient steps taken, each one product A @ (y-sized)
+    residual: jax.Array  # |y - A x| / |y| per column of y (a scalar for y [M]), by one more product
+
+
+def _solve(op, y, rtol, max_steps, preconditioner, return_info):
+    """``op.solve``: preconditioned conjugate gradients, each column of y with its own step sizes."""
+    (m, n), y = op.shape, jnp.asarray(y)
+    if m != n or y.ndim not in (1, 2) or y.shape[0] != m:
+        raise ValueError(f"solve: A must be square and y [{m}] or [{m}, k]; got A {op.shape}, y {y.shape}")
+    y = y.astype(jnp.result_type(op.dtype, y.dtype))
+    rtol = 32 * jnp.finfo(y.dtype).eps if rtol is None else rtol
+    max_steps = 10 * m if max_steps is None else max_steps
+    precondition = preconditioner or (lambda r: r)
+
+    def conjugate_gradients(matvec, b):
+        b_norm = jnp.linalg.norm(b, axis=0)
+        unfinished = lambda r: jnp.linalg.norm(r, axis=0) > rtol * b_norm  # noqa: E731
+
+        def step(state):
+            x, r, p, rz, steps = state
+            q, active = matvec(p), unfinished(r)
+            alpha = jnp.where(active, rz / jnp.sum(p * q, 0), 0)  # finished columns stay as they are
+            x, r = x + alpha * p, r - alpha * q
+            z = precondition(r)
+            rz_next = jnp.sum(r * z, 0)
+            return x, r, z + jnp.where(active, rz_next / rz, 0) * p, rz_next, steps + 1
+
+        z = precondition(b)
+        # 0, from b: under jax.shard_map it varies over devices as b does (JAX 0.10's custom_linear_solve refuses a
+        # constant 0 there, XLA 0.4 the loop holding one)
+        no_steps = jnp.sum(b_norm < 0, dtype=jnp.int32)
+        start = (jnp.zeros_like(b), b, z, jnp.sum(b * z, 0), no_steps)
+        running = lambda state: (state[-1] < max_steps) & jnp.any(unfinished(state[1]))  # noqa: E731
+        x, *_, steps = jax.lax.while_loop(running, step, start)
+        return x, steps
+
+    x, steps = jax.lax.custom_linear_solve(lambda v: op @ v, y, conjugate_gradients, symmetric=True, has_aux=True)
+    if not return_info:
+        return x
+    y_norm = jnp.maximum(jnp.linalg.norm(y, axis=0), jnp.finfo(y.dtype).tiny)
+    return x, SolveInfo(steps, jnp.linalg.norm(y - op @ x, axis=0) / y_norm)
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5, 6))
+def _compiled_solve(op, y, rtol, max_steps, settings, preconditioner, return_info):
+    """``_solve`` outside ``jit``, compiled once per structure as ``_compiled_matmul``."""
+    return _solve(op, y, rtol, max_steps, preconditioner, return_info)
+
+
+LazyKernel.__add__, LazyKernel.__sub__, LazyKernel.__neg__ = KernelSum.__add__, KernelSum.__sub__, KernelSum.__neg__
+LazyKernel.__mul__ = LazyKernel.__rmul__ = KernelSum.__mul__
+LazyKernel.__truediv__, LazyKernel.add_diagonal = KernelSum.__truediv__, KernelSum.add_diagonal
+LazyKernel.solve = KernelSum.solve
+__all__ += ["KernelSum", "SolveInfo"]
+# --- end optional layer: sums and solves ---
+
+
+# --- begin optional layer: kernel programs ---
+#
+# What the pair program and the fused product both stand on (cut with them): a kernel's program (its jaxpr) walked
+# equation by equation, calls inlined (_evaluate); and a function of one scalar run on float64 values (_in_float64),
+# with its derivatives (_tail_derivatives).
+
+_JAX_VERSION = tuple(int(part) for part in jax.__version__.split(".")[:2])
+_ELEMENTWISE = frozenset(
+    "abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp complex conj convert_element_type copy "
+    "copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag integer_pow is_finite le "
+    "lgamma log log1p logistic lt max min mul ne neg nextafter not or pow real reduce_precision rem round rsqrt "
+    "select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square sub tan tanh xor".split()
+)
+_CALLS = ("pjit", "jit", "closed_call")  # inlined by _evaluate, so that their equations meet the rules
+
+
+def _evaluate(jaxpr, consts, args, equation, literal, const=lambda c: c):
+    """Evaluate ``jaxpr`` on ``args``: the loop of JAX's "Writing custom interpreters", each equation's outputs by
+    ``equation(eqn, read, inline)`` (``read(var)``: a variable's value, a literal's ``literal(var)``; ``inline(args)``:
+    a call's program evaluated on ``args`` so, its constants by ``const``, None for other equations). The one
+    walker of kernel programs: each caller brings its ``equation``."""
+    env = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+
+    def read(var):
+        return literal(var) if isinstance(var, jax.extend.core.Literal) else env[var]
+
+    def inline(inner, args):
+        return _evaluate(inner.jaxpr, list(map(const, inner.consts)), args, equation, literal, const)
+
+    for eqn in jaxpr.eqns:
+        called = functools.partial(inline, _called(eqn)) if eqn.primitive.name in _CALLS else None
+        env.update(zip(eqn.outvars, equation(eqn, read, called), strict=True))
+    return [read(var) for var in jaxpr.outvars]
+
+
+def _called(eqn):
+    """The ClosedJaxpr that a call equation (one of _CALLS) runs."""
+    inner = eqn.params.get("jaxpr") or eqn.params["call_jaxpr"]
+    return inner if isinstance(inner, jax.extend.core.ClosedJaxpr) else jax.extend.core.ClosedJaxpr(inner, [])
+
+
+def _bind(eqn, args, params=None):
+    params = eqn.primitive.get_bind_params(eqn.params if params is None else params)
+    subfuns, params = params if isinstance(params, tuple) else ((), params)  # JAX < 0.5: (subfuns, params)
+    out = eqn.primitive.bind(*subfuns, *args, **params)
+    return out if eqn.primitive.multiple_results else [out]
+
+
+def _float64():
+    """A context in which float64 values can be made."""
+    return contextlib.nullcontext() if jax.config.jax_enable_x64 else jax.enable_x64(True)
+
+
+def _float64_in_traces():
+    """Whether float64 values can be made in a trace, x64 on or off: from JAX 0.8 (before, x64 switched on inside
+    a trace failed to lower)."""
+    return hasattr(jax, "enable_x64") and _JAX_VERSION >= (0, 8)
+
+
+def _in_float64(program):
+    """A ClosedJaxpr of one float32 scalar as a function run on float64 values (float32 constants, literals and
+    casts widened), to be called under _float64(); None where the program does not run so. In float32, a Matern
+    kernel's polynomial times exp cancels near zero, and its derivatives there were rounding noise."""
+    widened = lambda at: _run_widened(program.jaxpr, program.consts, [at])[0].reshape(())  # noqa: E731
+    try:
+        with _float64():
+            jax.eval_shape(widened, jax.ShapeDtypeStruct((), jnp.float64))
+    except Exception:  # a primitive that takes no float64 (the error differs by primitive): no float64 GEMM
+        return None
+    return widened
+
+
+def _run_widened(jaxpr, consts, args):
+    """Evaluate ``jaxpr`` with its float32 values float64 (see _in_float64)."""
+
+    def widened(value):
+        value = jax.lax.stop_gradient(jnp.asarray(value))  # a probe: no derivative reaches the kernel through it
+        return value.astype(jnp.float64) if value.dtype == jnp.float32 else value
+
+    def equation(eqn, read, inline):
+        args = [read(var) for var in eqn.invars]
+        if inline:
+            return inline(args)
+        params = dict(eqn.params)
+        if eqn.primitive.name == "convert_element_type" and params["new_dtype"] == jnp.float32:
+            params["new_dtype"] = jnp.dtype(jnp.float64)
+        return _bind(eqn, args, params)
+
+    return _evaluate(jaxpr, list(map(widened, consts)), args, equation, lambda var: widened(var.val), widened)
+
+
+def _tail_derivatives(tail, at):
+    """``tail`` (a function of d^2) and its first two derivatives at each of the points ``at``."""
+
+    def derivatives(at):
+        with_slope = lambda at: jax.jvp(tail, (at,), (jnp.ones_like(at),))  # noqa: E731
+        (value, slope), (_, curvature) = jax.jvp(with_slope, (at,), (jnp.ones_like(at),))
+        return value, slope, curvature
+
+    return jax.vmap(derivatives)(at)
+
+
+# --- end optional layer: kernel programs ---
+
+
 # --- begin optional layer: pair program ---
 #
 # ``_vmap_block`` is a [b, n, D] computation whose short feature sum XLA on CPU
@@ -1109,22 +1241,23 @@ def main(argv=None) -> int:
 # On a CPU the program runs every kernel it takes, summing over more than a few features in a loop. On an
 # accelerator the vector unit's lanes hold those features, mostly empty at small D: there the program writes
 # features out at small D (values only: its derivatives compiled slowly and ran slower), and from
-# GEMM_FEATURES_MIN runs where d^2 is the GEMM. bench_lazy_kernel.py measured each constant (its docstring says how).
+# gemm_features_min runs where d^2 is the GEMM. bench_lazy_kernel.py measured each constant (its docstring says how).
 
-PAIR_PROGRAM = True  # False: every block is the vmap form (or the kernel's cross_covariance)
-SPLIT_FEATURES_MAX = 2  # on CPU, from 3 features the loop was faster than values written out
-ACCELERATOR_FEATURES = range(2, 65)  # off the CPU, features written out beat the vmap form's lanes here
-GEMM_FEATURES_MIN = 128  # below it, too many pairs a GEMM cannot vouch for: the fallback costs more
-WIDE_GEMM_FEATURES_MIN = 8  # on CPU, the float64 GEMM beats the loop from here
-SUM_CHUNK = 4  # features summed pairwise per step of the loop (_looped_sum)
-ACCELERATOR_WIDE_BLOCK_BYTES = 256 * 2**20  # off the CPU, its blocks' fastest bytes (half for their gradient)
-_JAX_VERSION = tuple(int(part) for part in jax.__version__.split(".")[:2])
-_ELEMENTWISE = frozenset(
-    "abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp complex conj convert_element_type copy "
-    "copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag integer_pow is_finite le "
-    "lgamma log log1p logistic lt max min mul ne neg nextafter not or pow real reduce_precision rem round rsqrt "
-    "select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square sub tan tanh xor".split()
-)
+
+@dataclasses.dataclass(frozen=True)
+class Settings(Settings):
+    """The settings, with the pair program's."""
+
+    pair_program: bool = True  # False: every block is the vmap form (or the kernel's cross_covariance)
+    split_features_max: int = 2  # on CPU, from 3 features the loop was faster than values written out
+    accelerator_features: range = range(2, 65)  # off the CPU, features written out beat the vmap form's lanes here
+    gemm_features_min: int = 128  # below it, too many pairs a GEMM cannot vouch for: the fallback costs more
+    wide_gemm_features_min: int = 8  # on CPU, the float64 GEMM beats the loop from here
+    sum_chunk: int = 4  # features summed pairwise per step of the loop (_looped_sum)
+    accelerator_wide_block_bytes: int = 256 * 2**20  # off the CPU, its blocks' fastest bytes (half for gradients)
+
+
+SETTINGS = Settings()
 
 
 class FeatureSum(enum.Enum):
@@ -1169,29 +1302,53 @@ class PairProgramForm:
         vmapped = sorted(_probe_run(kernel, dim, dtype, self).vmapped)
         return self.name + (f" (by vmap: {', '.join(vmapped)})" if vmapped else "")
 
+    def squared_distance(self, kernel, xa, xb, transposed=False):
+        """The kernel on the block ``xa``, ``xb`` as a function of one squared distance d^2 = |s (x - y)|^2 with
+        one scalar step s, as this program reads it: a SquaredDistance, or why it is not one (a str)."""
+        probe = dataclasses.replace(self, written_out=0, squared_distances=())  # every d^2 seen
+        run = _pair_program_run(kernel, xa, xb, transposed, probe)
+        if not run.distances:
+            return "no sum of squared scaled differences |s (x - y)|^2"
+        (point, _), eqn = run.distances[-1]
+        tail = run.tail(eqn)
+        if tail is None:
+            return "the kernel depends on the points otherwise than through d^2"
+        if any(other is not None and jnp.size(other) != 1 for _, other, _ in point.steps):
+            return "a step per feature (per-feature lengthscales)"
+        step = _dense(point.scaling(jnp.ones((1, 1, 1), point.point.dtype))).reshape(())
+        return SquaredDistance(step, len(point.steps), tail)
+
+
+class SquaredDistance(NamedTuple):
+    """A kernel as its program computes it on a block: K = tail(d^2), d^2 = |s (x - y)|^2 (PairProgramForm's
+    ``squared_distance``)."""
+
+    step: jax.Array  # s, traced
+    steps: int  # the scaling steps that make s (each rounds)
+    tail: jax.extend.core.ClosedJaxpr  # K as a function of d^2, a scalar, to [1, 1]
+
 
 def _pair_program_plan(plan, kernel, dim, dtype):
     """The plan's block by the pair program where it takes the kernel: on a CPU at every D, off it where features
     are written out, or (float32) where d^2 is the GEMM; else the plan as it was, and why."""
-    on_cpu, float32 = plan.backend == "cpu", dtype == jnp.float32
-    gemm = dim >= GEMM_FEATURES_MIN and (float32 or (on_cpu and dtype == jnp.float64))  # no fast float64 elsewhere
-    wide = on_cpu and float32 and dim >= WIDE_GEMM_FEATURES_MIN and _float64_in_traces()
-    if not PAIR_PROGRAM:
-        return plan.noted("not the pair program: PAIR_PROGRAM is off")
-    if not (on_cpu or dim in ACCELERATOR_FEATURES or gemm):
+    on_cpu, float32, settings = plan.backend == "cpu", dtype == jnp.float32, SETTINGS
+    gemm = dim >= settings.gemm_features_min and (float32 or (on_cpu and dtype == jnp.float64))  # float64: CPU only
+    wide = on_cpu and float32 and dim >= settings.wide_gemm_features_min and _float64_in_traces()
+    if not settings.pair_program:
+        return plan.noted("not the pair program: SETTINGS.pair_program is off")
+    if not (on_cpu or dim in settings.accelerator_features or gemm):
         return plan.noted(f"not the pair program: D = {dim} off the CPU, with no GEMM for d^2")
-    values_only = not on_cpu and dim in ACCELERATOR_FEATURES
+    values_only = not on_cpu and dim in settings.accelerator_features
+    wide_bytes = settings.accelerator_wide_block_bytes
     form = PairProgramForm(
         values_only=values_only,
-        written_out=SPLIT_FEATURES_MAX if on_cpu else max(ACCELERATOR_FEATURES),
+        written_out=settings.split_features_max if on_cpu else max(settings.accelerator_features),
         feature_sum=FeatureSum.LOOP if on_cpu else FeatureSum.AT_ONCE,
         squared_distances=(Distance.GEMM,) * gemm + (Distance.FLOAT64_GEMM,) * wide,
         gemm_precision=jax.lax.Precision.HIGHEST,
-        sum_chunk=SUM_CHUNK,
+        sum_chunk=settings.sum_chunk,
         chunked_derivative=_JAX_VERSION >= (0, 10),  # 0.4.30's scan transpose rejected it (0.5 to 0.9 untried)
-        fastest_bytes=None
-        if on_cpu
-        else (ACCELERATOR_WIDE_BLOCK_BYTES, None if values_only else ACCELERATOR_WIDE_BLOCK_BYTES // 2),
+        fastest_bytes=None if on_cpu else (wide_bytes, None if values_only else wide_bytes // 2),
     )
     reason = _pair_program_refuses(kernel, dim, dtype, form, by_gemm_only=not (on_cpu or values_only))
     if reason:
@@ -1199,12 +1356,6 @@ def _pair_program_plan(plan, kernel, dim, dtype):
     if wide and not _tails_widen(kernel, dim, dtype, form):  # the float64 GEMM needs the tail in float64
         form = dataclasses.replace(form, squared_distances=form.squared_distances[:-1])
     return dataclasses.replace(plan, block=form)
-
-
-def _float64_in_traces():
-    """Whether float64 values can be made in a trace, x64 on or off: from JAX 0.8 (before, x64 switched on inside
-    a trace failed to lower)."""
-    return hasattr(jax, "enable_x64") and _JAX_VERSION >= (0, 8)
 
 
 def _pair_program_refuses(kernel, dim, dtype, form, by_gemm_only):
@@ -1307,39 +1458,19 @@ class _Run:
         return program if out.shape == (1, 1) and jnp.issubdtype(out.dtype, jnp.floating) else None
 
 
-_CALLS = ("pjit", "jit", "closed_call")  # run inline, so that their equations meet the rules
-
-
-def _evaluate(jaxpr, consts, args, equation, literal):
-    """Evaluate ``jaxpr`` on ``args``: the loop of JAX's "Writing custom interpreters", each equation's outputs by
-    ``equation(eqn, read)`` (``read(var)``: a variable's value; a literal's is ``literal(var)``). The one
-    evaluator: the pair program (_run), its float64 probe (_run_widened) and the fused form's tail (_on_tile,
-    _hoisted) each bring their ``equation``."""
-    env = dict(zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
-
-    def read(var):
-        return literal(var) if isinstance(var, jax.extend.core.Literal) else env[var]
-
-    for eqn in jaxpr.eqns:
-        env.update(zip(eqn.outvars, equation(eqn, read), strict=True))
-    return [read(var) for var in jaxpr.outvars]
-
-
 def _run(jaxpr, consts, args, run):
     """Evaluate ``jaxpr`` on block values as the pair program ``run`` does (see this layer's head)."""
     done = {}  # equation key -> (its arguments, kept alive so that their ids stay theirs; its outputs)
 
-    def equation(eqn, read):
+    def equation(eqn, read, inline):
         if id(eqn) in run.given:
             return run.given[id(eqn)]
         args = [read(var) for var in eqn.invars]
         key = _equation_key(eqn, args)
         if key in done:  # computed before (GPJax's softplus of its lengthscale, twice): the same values
             return done[key][1]
-        if eqn.primitive.name in _CALLS:
-            inner = _called(eqn)
-            outs = _run(inner.jaxpr, inner.consts, args, run)
+        if inline:
+            outs = inline(args)
         else:
             rule = _RULES.get(eqn.primitive.name)
             outs = rule(eqn, args, run) if rule else None
@@ -1352,14 +1483,9 @@ def _run(jaxpr, consts, args, run):
             done[key] = (args, outs)
         return outs
 
-    consts = [jnp.asarray(c)[None, None] for c in consts]
-    return _evaluate(jaxpr, consts, args, equation, lambda var: jnp.asarray(var.val, var.aval.dtype)[None, None])
-
-
-def _called(eqn):
-    """The ClosedJaxpr that a call equation (one of _CALLS) runs."""
-    inner = eqn.params.get("jaxpr") or eqn.params["call_jaxpr"]
-    return inner if isinstance(inner, jax.extend.core.ClosedJaxpr) else jax.extend.core.ClosedJaxpr(inner, [])
+    block_value = lambda c: jnp.asarray(c)[None, None]  # noqa: E731
+    literal = lambda var: jnp.asarray(var.val, var.aval.dtype)[None, None]  # noqa: E731
+    return _evaluate(jaxpr, list(map(block_value, consts)), args, equation, literal, block_value)
 
 
 def _equation_key(eqn, args):
@@ -1599,55 +1725,6 @@ def _takes_error(tail, delta, eps):
     return jnp.all((value_moved <= 16 * eps * jnp.abs(value)) & (slope_moved <= 16 * eps * jnp.abs(slope)))
 
 
-def _tail_derivatives(tail, at):
-    """``tail`` (a function of d^2) and its first two derivatives at each of the points ``at``."""
-
-    def derivatives(at):
-        with_slope = lambda at: jax.jvp(tail, (at,), (jnp.ones_like(at),))  # noqa: E731
-        (value, slope), (_, curvature) = jax.jvp(with_slope, (at,), (jnp.ones_like(at),))
-        return value, slope, curvature
-
-    return jax.vmap(derivatives)(at)
-
-
-def _in_float64(program):
-    """A ClosedJaxpr of one float32 scalar as a function run on float64 values (float32 constants, literals and
-    casts widened), to be called under _float64(); None where the program does not run so. In float32, a Matern
-    kernel's polynomial times exp cancels near zero, and its derivatives there were rounding noise."""
-    widened = lambda at: _run_widened(program.jaxpr, program.consts, [at])[0].reshape(())  # noqa: E731
-    try:
-        with _float64():
-            jax.eval_shape(widened, jax.ShapeDtypeStruct((), jnp.float64))
-    except Exception:  # a primitive that takes no float64 (the error differs by primitive): no float64 GEMM
-        return None
-    return widened
-
-
-def _run_widened(jaxpr, consts, args):
-    """Evaluate ``jaxpr`` with its float32 values float64 (see _in_float64)."""
-
-    def widened(value):
-        value = jax.lax.stop_gradient(jnp.asarray(value))  # a probe: no derivative reaches the kernel through it
-        return value.astype(jnp.float64) if value.dtype == jnp.float32 else value
-
-    def equation(eqn, read):
-        args = [read(var) for var in eqn.invars]
-        if eqn.primitive.name in _CALLS:
-            inner = _called(eqn)
-            return _run_widened(inner.jaxpr, inner.consts, args)
-        params = dict(eqn.params)
-        if eqn.primitive.name == "convert_element_type" and params["new_dtype"] == jnp.float32:
-            params["new_dtype"] = jnp.dtype(jnp.float64)
-        return _bind(eqn, args, params)
-
-    return _evaluate(jaxpr, list(map(widened, consts)), args, equation, lambda var: widened(var.val))
-
-
-def _float64():
-    """A context in which float64 values can be made."""
-    return contextlib.nullcontext() if jax.config.jax_enable_x64 else jax.enable_x64(True)
-
-
 def _squared_distance(first, second, fallback, precision):
     """|steps(x - y)|^2 for every pair of a block, by the GEMM ``|a|^2 + |b|^2 - 2 a.b`` on centred, scaled
     points wherever its error bound is within 4x the direct sum's; ``fallback()`` otherwise (the float64 GEMM, or
@@ -1683,7 +1760,7 @@ def _looped_sum(size, feature, form):
     """The sum of ``feature(i)``, i < size, in a loop whose body is rematerialised, so that reverse mode
     recomputes each feature from the points, and stores none.
 
-    Up to SUM_CHUNK features are added one at a time; past that, chunks of SUM_CHUNK features (more past 64, so
+    Up to ``sum_chunk`` features are added one at a time; past that, chunks of ``sum_chunk`` features (more past 64, so
     that there are at most 16) are summed pairwise, one chunk per step, and the remainder after them: an error
     bound of at most (16 + log2 chunk) eps of the terms' sum, where added one at a time it grows as (size - 1)
     eps, and a large d^2 (every pair far apart) carries its relative error into K's. Compensating the chunks'
@@ -1744,13 +1821,6 @@ def _dense(a):
     lead = jnp.broadcast_shapes(*(part.shape for part in a.parts.flat))
     parts = [jnp.broadcast_to(part, lead) for part in a.parts.flat]
     return jnp.stack(parts, axis=-1).reshape(lead + a.parts.shape)
-
-
-def _bind(eqn, args, params=None):
-    params = eqn.primitive.get_bind_params(eqn.params if params is None else params)
-    subfuns, params = params if isinstance(params, tuple) else ((), params)  # JAX < 0.5: (subfuns, params)
-    out = eqn.primitive.bind(*subfuns, *args, **params)
-    return out if eqn.primitive.multiple_results else [out]
 
 
 def _by_vmap(eqn, args):
@@ -1935,10 +2005,18 @@ _LAYERS.append(_pair_program_plan)
 # ``max_memory_mb`` plus twice the data; else it shrinks (_fit). Peaks are
 # cached by the program and its plan (_peak_key).
 
-MEASURED_BLOCKS = True  # False: blocks of batch_size_row, the seed's arithmetic
-CPU_BLOCK_BYTES = 4 * 2**20  # cache-sized blocks were the fastest on CPU
-CPU_MIN_BLOCK = 64  # blocks of 16 rows or columns were slower
-ACCELERATOR_BLOCK_BYTES = 64 * 2**20  # off the CPU, smaller blocks were slower at D = 3, larger no faster
+
+@dataclasses.dataclass(frozen=True)
+class Settings(Settings):
+    """The settings, with the measured blocks'."""
+
+    measured_blocks: bool = True  # False: blocks of batch_size_row, the seed's arithmetic
+    cpu_block_bytes: int = 4 * 2**20  # cache-sized blocks were the fastest on CPU
+    cpu_min_block: int = 64  # blocks of 16 rows or columns were slower
+    accelerator_block_bytes: int = 64 * 2**20  # off the CPU, smaller blocks were slower at D = 3, larger no faster
+
+
+SETTINGS = Settings()
 # Probes compile at XLA:CPU's lowest code-generation optimisation, with its older fusion emitters where this XLA
 # has both: the same buffers (the tests compare measurements with the programs users compile), sooner.
 _PROBE_OPTIONS = {"cpu": {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}}
@@ -1971,13 +2049,13 @@ class MeasuredBlocks:
 
 def _measured_blocks_plan(plan, kernel, dim, dtype):
     """The plan's blocks sized by measurement, the fastest as its block form asks (else this layer's default)."""
-    if not MEASURED_BLOCKS:
-        return plan.noted("blocks of batch_size_row: MEASURED_BLOCKS is off")
+    if not SETTINGS.measured_blocks:
+        return plan.noted("blocks of batch_size_row: SETTINGS.measured_blocks is off")
     on_cpu = plan.backend == "cpu"
-    default = CPU_BLOCK_BYTES if on_cpu else ACCELERATOR_BLOCK_BYTES
+    default = SETTINGS.cpu_block_bytes if on_cpu else SETTINGS.accelerator_block_bytes
     product, gradient = plan.block.fastest_bytes or (None, None)
     options = tuple(_probe_options(plan.backend).items())
-    sizing = MeasuredBlocks(product or default, gradient or default, CPU_MIN_BLOCK if on_cpu else 1, options)
+    sizing = MeasuredBlocks(product or default, gradient or default, SETTINGS.cpu_min_block if on_cpu else 1, options)
     return dataclasses.replace(plan, sizing=sizing)
 
 
@@ -2270,7 +2348,7 @@ _LAYERS.append(_measured_blocks_plan)
 # is exact: one product per level, the level's digit pairs packed side by side (bf16 folds the norms in as six
 # more columns where that costs no extra pass of the 128-deep unit; more than 250 digit columns go in chunks
 # whose exact sums are added). Carries then bring T_1 .. T_(2c-2) into [0, 256), so |x - y|^2 on the grid is a
-# sum of non-negative terms: nothing is left to cancel. One Pallas kernel per block keeps each tile of FUSED_TILES
+# sum of non-negative terms: nothing is left to cancel. One Pallas kernel per block keeps each tile of fused_tiles
 # pairs in VMEM: the levels, d^2 (times s^2), the kernel's tail (its program as a function of d^2) and the tile's
 # product with the operand, added into the block's result.
 #
@@ -2291,16 +2369,7 @@ _LAYERS.append(_measured_blocks_plan)
 # (nothing cancels). The cotangent of s^2, sum C tail' |x - y|^2, is the grid's d^2 corrected by the grid's moves
 # against the points' cotangents; where pairs nearer than the grid's step carry its weight, a second pass sums the
 # differences' squares (_fused_cotangents). It runs where the rule vouches with lambda bounding |tail'' / tail'|
-# too, up to D = FUSED_BACKWARD_FEATURES_MAX; elsewhere, and for wider operands, the unfused form's vjp.
-
-FUSED_PRODUCT = True  # False: no block's product is fused on a TPU
-INTERPRET_PALLAS = False  # True: the fused kernels run interpreted, on any backend (how the tests run them on a CPU)
-FUSED_FEATURES_MIN = 16  # on a TPU, the fused product from here: below, the unfused form was faster
-FUSED_WIDTH_MAX = 64  # operand columns the fused product takes; a wider operand gets the unfused form
-FUSED_BACKWARD_FEATURES_MAX = 64  # the fused backward to here; above, the unfused vjp (the backward's work grows
-# with D, and Mosaic compiles it slowly at D = 256)
-FUSED_INT8_FEATURES_MIN = 128  # fused digits in int8 from here (half bf16's matrix-unit time, more vector work)
-DIGIT_COUNTS = (3, 4)  # signed 8-bit digits per coordinate: the fewest the rule vouches for
+# too, up to D = fused_backward_features_max; elsewhere, and for wider operands, the unfused form's vjp.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2313,7 +2382,22 @@ class FusedTiles:
     vmem_limit_bytes: int = 100 * 2**20  # Mosaic's default 16 MiB is too small; within a v5e's 128 MiB a core
 
 
-FUSED_TILES = FusedTiles()
+@dataclasses.dataclass(frozen=True)
+class Settings(Settings):
+    """The settings, with the fused product's."""
+
+    fused_product: bool = True  # False: no block's product is fused on a TPU
+    interpret_pallas: bool = False  # True: the fused kernels run interpreted, on any backend (the tests' on a CPU)
+    fused_features_min: int = 16  # on a TPU, the fused product from here: below, the unfused form was faster
+    fused_width_max: int = 64  # operand columns the fused product takes; a wider operand gets the unfused form
+    fused_backward_features_max: int = 64  # the fused backward to here; above, the unfused vjp (the backward's
+    # work grows with D, and Mosaic compiles it slowly at D = 256)
+    fused_int8_features_min: int = 128  # digits in int8 from here (half bf16's matrix-unit time, more vector work)
+    digit_counts: tuple[int, ...] = (3, 4)  # signed 8-bit digits per coordinate: the fewest the rule vouches for
+    fused_tiles: FusedTiles = FusedTiles()
+
+
+SETTINGS = Settings()
 _VMEM_BYTES = {"TPU v5 lite": 128 * 2**20, "TPU v6 lite": 128 * 2**20}  # a core's, where get_tpu_info is missing
 _BF16_FOLDED = 250  # digit columns per exact bf16 product with the 6 norm columns folded in: 2^16 each, < 2^24
 _BF16_PLAIN = 256  # digit columns per exact bf16 product without them
@@ -2330,9 +2414,9 @@ class FusedProduct:
     name = "fused"
     tiles: FusedTiles
     packings: tuple  # (digits, "bf16" or "int8", its _Chunks) for each digit count, fewest first
-    backward: bool  # reverse mode of K @ v by the fused backward (D <= FUSED_BACKWARD_FEATURES_MAX)
+    backward: bool  # reverse mode of K @ v by the fused backward (D <= fused_backward_features_max)
     width_max: int  # operand columns it takes
-    interpret: bool  # the Pallas kernels interpreted (INTERPRET_PALLAS), else compiled for the chip
+    interpret: bool  # the Pallas kernels interpreted (interpret_pallas), else compiled for the chip
 
     def packing(self, digits):
         """The variant and chunks of ``digits`` digits."""
@@ -2398,27 +2482,30 @@ def _fused_plan(plan, kernel, dim, dtype):
     reason = _fused_refuses(plan, kernel, dim, dtype)
     if reason:
         return plan.noted(f"not fused: {reason}")
-    packings = tuple((digits, *_fused_chunks(dim, digits)) for digits in DIGIT_COUNTS)
-    backward = dim <= FUSED_BACKWARD_FEATURES_MAX
-    product = FusedProduct(FUSED_TILES, packings, backward, FUSED_WIDTH_MAX, interpret=INTERPRET_PALLAS)
+    settings = SETTINGS
+    packings = tuple((digits, *_fused_chunks(dim, digits, settings)) for digits in settings.digit_counts)
+    backward = dim <= settings.fused_backward_features_max
+    tiles, interpret = settings.fused_tiles, settings.interpret_pallas
+    product = FusedProduct(tiles, packings, backward, settings.fused_width_max, interpret=interpret)
     return dataclasses.replace(plan, product=product)
 
 
 def _fused_refuses(plan, kernel, dim, dtype):
     """Why the fused form does not take this kernel's products, or None: it takes float32 points on a TPU with
-    room for its kernels, from FUSED_FEATURES_MIN features, blocks the pair program makes, and a kernel of
+    room for its kernels, from ``fused_features_min`` features, blocks the pair program makes, and a kernel of
     |s (x - y)|^2 with one scalar step s and a tail the Pallas kernel runs."""
-    if not FUSED_PRODUCT:
-        return "FUSED_PRODUCT is off"
+    settings = SETTINGS
+    if not settings.fused_product:
+        return "SETTINGS.fused_product is off"
     if plan.backend != "tpu":
         return f"planned for {plan.backend}, not a TPU"
-    if dtype != jnp.float32 or dim < FUSED_FEATURES_MIN:
-        return f"{dtype} points" if dtype != jnp.float32 else f"D = {dim} < {FUSED_FEATURES_MIN}"
+    if dtype != jnp.float32 or dim < settings.fused_features_min:
+        return f"{dtype} points" if dtype != jnp.float32 else f"D = {dim} < {settings.fused_features_min}"
     if not isinstance(plan.block, PairProgramForm):
         return "blocks not by the pair program"
     if _pallas() is None or not _float64_in_traces():
         return f"JAX {jax.__version__} has no Pallas TPU or no float64 in traces (JAX 0.8 on)"
-    if not INTERPRET_PALLAS and (vmem := _vmem_bytes()) < FUSED_TILES.vmem_limit_bytes * 32 // 25:
+    if not settings.interpret_pallas and (vmem := _vmem_bytes()) < settings.fused_tiles.vmem_limit_bytes * 32 // 25:
         return f"the chip's VMEM ({vmem / 2**20:.3g} MiB a core, None: unknown) under what the kernels ask for"
     found = []
     jax.eval_shape(lambda xa, xb: found.append(_fusion(kernel, xa, xb, False, plan.block)), *_probe_blocks(dim, dtype))
@@ -2433,7 +2520,7 @@ def _vmem_bytes():
     except (AttributeError, ValueError, RuntimeError):  # no get_tpu_info in this JAX, or a chip it does not know
         try:
             return _VMEM_BYTES.get(jax.devices("tpu")[0].device_kind, 0)
-        except RuntimeError:  # no TPU here: planned for one (BACKEND) without interpreting
+        except RuntimeError:  # no TPU here: planned for one (SETTINGS.backend) without interpreting
             return 0
 
 
@@ -2459,35 +2546,27 @@ class _Fusion(NamedTuple):
 
 
 def _fusion(kernel, xa, xb, transposed, form):
-    """The kernel's d^2 and tail, read from its program run on a block as the pair program ``form`` runs it; or,
-    where the fused form cannot run it, why."""
-    probe = dataclasses.replace(form, written_out=0, squared_distances=())  # every d^2 seen
-    run = _pair_program_run(kernel, xa, xb, transposed, probe)
-    if not run.distances:
-        return "no sum of squared scaled differences |s (x - y)|^2"
-    (point, _), eqn = run.distances[-1]
-    tail = run.tail(eqn)
-    if tail is None:
-        return "the kernel depends on the points otherwise than through d^2"
-    if any(other is not None and jnp.size(other) != 1 for _, other, _ in point.steps):
-        return "a step per feature (per-feature lengthscales)"
-    step = _dense(point.scaling(jnp.ones((1, 1, 1), point.point.dtype))).reshape(())
-    jaxpr, consts = _hoisted(tail)
+    """The kernel's d^2 and tail, as the pair program ``form`` reads them on a block; or, where the fused form
+    cannot run it, why."""
+    distance = form.squared_distance(kernel, xa, xb, transposed)
+    if isinstance(distance, str):
+        return distance
+    jaxpr, consts = _hoisted(distance.tail)
     if not _tile_ready(jaxpr) or any(jnp.size(c) != 1 or jnp.result_type(c) != jnp.float32 for c in consts):
         return "a tail of d^2 the Pallas kernel does not run"
-    return _Fusion(step, len(point.steps), tail, jaxpr, [jnp.reshape(c, ()) for c in consts])
+    return _Fusion(*distance, jaxpr, [jnp.reshape(c, ()) for c in consts])
 
 
 def _on_tile(tail, consts, *inputs):
     """The kernel's tail (a Jaxpr from d^2 to a [1, 1] value, _tile_ready) on a tile of d^2, its constants
     scalars: each equation on the whole tile."""
 
-    def equation(eqn, read):
+    def equation(eqn, read, inline):
         args = [jnp.asarray(read(var), var.aval.dtype) for var in eqn.invars]
+        if inline:
+            return [inline(args)[0]]
         if eqn.primitive.name in _TILE_RESHAPES:
             return args[:1]
-        if eqn.primitive.name in _CALLS:
-            return [_on_tile(_called(eqn).jaxpr, _called(eqn).consts, *args)]
         shape = jnp.broadcast_shapes(*(a.shape for a in args))
         return _bind(eqn, [jnp.broadcast_to(a, shape) for a in args])
 
@@ -2499,7 +2578,7 @@ def _hoisted(tail):
     evaluated here, not on every pair, and those the output does not use dropped."""
     known, kept = dict(zip(tail.jaxpr.constvars, tail.consts, strict=True)), []
 
-    def equation(eqn, read):
+    def equation(eqn, read, inline):  # a call is kept whole, or evaluated here
         if all(isinstance(var, jax.extend.core.Literal) or var in known for var in eqn.invars) and not eqn.effects:
             outs = _bind(eqn, [read(var) for var in eqn.invars])
             known.update(zip(eqn.outvars, outs, strict=True))
@@ -2555,10 +2634,10 @@ def _levels(digits):
     return [[(i, level - i) for i in range(digits) if 0 <= level - i < digits] for level in range(2 * digits - 1)]
 
 
-def _fused_chunks(dim, digits):
+def _fused_chunks(dim, digits, settings):
     """The exact products of a block on ``dim`` features of ``digits`` digits: the variant ("bf16" or "int8")
     and its chunks, by level."""
-    variant = "int8" if dim >= FUSED_INT8_FEATURES_MIN else "bf16"
+    variant = "int8" if dim >= settings.fused_int8_features_min else "bf16"
     passes = lambda columns: -(-columns // 128)  # noqa: E731
     pieces = []
     for level, pairs in enumerate(_levels(digits)):

@@ -10,6 +10,7 @@
 - Memory: XLA's own accounting of the compiled programs.
 """
 
+import ast
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -183,10 +184,17 @@ def points(rng, n, dim, dtype):
     return jnp.asarray(rng.normal(size=(n, dim)), dtype)
 
 
+DEFAULTS = lazy_kernel.SETTINGS  # the settings a user gets
+
+
+def use_settings(monkeypatch, **changes):
+    """``lazy_kernel.SETTINGS`` with ``changes``, for this test alone."""
+    monkeypatch.setattr(lazy_kernel, "SETTINGS", lazy_kernel.SETTINGS.replace(**changes))
+
+
 def plan_for(monkeypatch, backend):
     """Plan blocks for ``backend`` whatever machine runs the test, the fused kernels interpreted (as CI runs them)."""
-    monkeypatch.setattr(lazy_kernel, "BACKEND", backend)
-    monkeypatch.setattr(lazy_kernel, "INTERPRET_PALLAS", True)
+    use_settings(monkeypatch, backend=backend, interpret_pallas=True)
 
 
 @pytest.fixture(params=["layers on", "core alone"])
@@ -223,8 +231,8 @@ def start_early(request):
 
 # Where blocks change form: the most features an accelerator writes out, the first past them (on CPU, the first
 # summed in chunks of 5), the GEMM's first; and the first N whose K @ X an accelerator contracts in chunks.
-WIDE_FEATURES = [max(lazy_kernel.ACCELERATOR_FEATURES) + i for i in (0, 1)] + [lazy_kernel.GEMM_FEATURES_MIN]
-CHUNKED_COLUMNS = lazy_kernel.CONTRACTION_CHUNK + 1
+WIDE_FEATURES = [max(DEFAULTS.accelerator_features) + i for i in (0, 1)] + [DEFAULTS.gemm_features_min]
+CHUNKED_COLUMNS = DEFAULTS.contraction_chunk + 1
 
 OPERAND_SHAPES = {  # rank -> (right operand shape, left operand shape) given K's (M, N)
     1: lambda m, n: ((n,), (m,)),
@@ -253,9 +261,9 @@ def product_example(**changes):
     checkpoint=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-@product_example(dim=lazy_kernel.GEMM_FEATURES_MIN)  # by the GEMM, in float64, whose tolerance shows its errors
+@product_example(dim=DEFAULTS.gemm_features_min)  # by the GEMM, in float64, whose tolerance shows its errors
 @product_example(n=CHUNKED_COLUMNS, rank=2)  # K @ X of more columns than an accelerator contracts at once
-@product_example(dim=max(lazy_kernel.ACCELERATOR_FEATURES), kernel_name="skewed-function", dtype=jnp.float32)
+@product_example(dim=max(DEFAULTS.accelerator_features), kernel_name="skewed-function", dtype=jnp.float32)
 @product_example(kernel_name="skewed-function", rank=3, batch_size=5, checkpoint=True)  # every family, blocks
 @product_example(kernel_name="skewed-cross-covariance", rank=2, max_memory_mb=2e-4, dtype=jnp.float32)
 @product_example(kernel_name="laplace-partial", dim=3, rank=4, batch_size=7)
@@ -365,7 +373,7 @@ def test_batch_size_arithmetic_is_the_seeds(m, n, max_memory_mb, batch_size, dty
 
 
 def test_core_alone_uses_the_seeds_blocks(monkeypatch):
-    monkeypatch.setattr(lazy_kernel, "MEASURED_BLOCKS", False)
+    use_settings(monkeypatch, measured_blocks=False)
     op = LazyKernel(RBF(), jnp.zeros((5000, 2)), jnp.zeros((3000, 2)), max_memory_mb=1)
     assert (op.block_rows, op.block_cols) == (op.batch_size_row, op.batch_size_col) == (43, 26)
 
@@ -373,7 +381,7 @@ def test_core_alone_uses_the_seeds_blocks(monkeypatch):
 @pytest.mark.parametrize("backend", ["cpu", "tpu"])
 def test_one_plan_decides_each_block(backend, monkeypatch):
     """``block_plan`` is the only reader of the backend: with JAX's own made to fail, products, gradients, their
-    measured blocks and the report follow BACKEND's plan, a frozen value, and match the dense matrix."""
+    measured blocks and the report follow SETTINGS.backend's plan, a frozen value, and match the dense matrix."""
 
     def no_backend():
         raise AssertionError("jax.default_backend() read outside block_plan")
@@ -411,7 +419,7 @@ def test_fastest_block_is_cache_sized_on_cpu_and_accelerator_sized_elsewhere(mon
     fastest = lambda kernel, dim, gradient: lazy_kernel._fastest_rows(  # noqa: E731
         LazyKernel(kernel, zeros(20000, dim), zeros(columns, dim)), gradient=gradient
     )
-    cpu = lazy_kernel.CPU_MIN_BLOCK  # 4 MiB is 32 rows here: at least 64
+    cpu = DEFAULTS.cpu_min_block  # 4 MiB is 32 rows here: at least 64
     vmap_form = {"cpu": cpu, "tpu": 2**26 // (4 * columns), "gpu": 2**26 // (4 * columns)}  # 64 MiB: 512 rows
     written_out = {"cpu": cpu, "tpu": 2**28 // (4 * columns), "gpu": 2**28 // (4 * columns)}  # 2048
     for dim in (3, 64):
@@ -597,14 +605,14 @@ def test_result_dtype_follows_jnp_matmul(kernel_dtype, operand_dtype):
 
 
 @pytest.mark.accelerator
-@pytest.mark.parametrize("chunk", [lazy_kernel.CONTRACTION_CHUNK, 128])  # 128: an accelerator's chunks, padded
+@pytest.mark.parametrize("chunk", [DEFAULTS.contraction_chunk, 128])  # 128: an accelerator's chunks, padded
 @pytest.mark.parametrize("width", [1, pytest.param(16, marks=SLOW), 64])
 def test_products_are_float32_at_jax_default_precision(width, chunk, device, monkeypatch):
     """With JAX's matmul precision unset (a TPU then rounds a matrix-matrix product to bf16), ``K @ X`` and
     ``X @ K`` err by at most 16 eps of the scale |K| |X| against NumPy float64, beyond 4x what K's own values err
     (the vmap form on this device, contracted in float64). A precision the user sets is followed: bf16 is less
     accurate on an accelerator."""
-    monkeypatch.setattr(lazy_kernel, "CONTRACTION_CHUNK", chunk)
+    use_settings(monkeypatch, contraction_chunk=chunk)
     rng = np.random.default_rng(width)
     x1, x2 = rng.normal(size=(500, 3)), rng.normal(size=(400, 3))
     right, left = rng.uniform(-0.25, 1, size=(400, width)), rng.uniform(-0.25, 1, size=(width, 500))
@@ -638,7 +646,7 @@ def test_accelerators_contraction_matches_dense(own_blocks, monkeypatch):
     if not hasattr(jax.lax, "optimization_barrier"):
         pytest.skip("JAX before 0.4.31 keeps one product")
     plan_for(monkeypatch, "tpu")
-    monkeypatch.setattr(lazy_kernel, "CONTRACTION_CHUNK", 16)
+    use_settings(monkeypatch, contraction_chunk=16)
     rng = np.random.default_rng(17)
     x1, x2, right, left = (
         points(rng, 37, 3, jnp.float64),
@@ -1355,7 +1363,7 @@ def test_a_block_too_large_for_the_chip_counts_as_over_the_budget(device, monkey
     if device.platform == "cpu":
         pytest.skip("an accelerator's memory: XLA:CPU compiles programs of any size")
     n, width = 65536, 16
-    monkeypatch.setattr(lazy_kernel, "ACCELERATOR_WIDE_BLOCK_BYTES", 2**36)
+    use_settings(monkeypatch, accelerator_wide_block_bytes=2**36)
     rng = np.random.default_rng(23)
     x = rng.normal(size=(n, 3))
     operand = rng.uniform(-0.25, 1, size=(n, width))
@@ -1683,8 +1691,8 @@ def assert_as_vmap(fast, vmapped, dtype, scale=None):
 
 def test_the_zoo_is_large_and_takes_both_feature_paths():
     dims = [dim for _, dim, _, _ in ZOO.values()]
-    written_out = sum(0 < dim <= lazy_kernel.SPLIT_FEATURES_MAX for dim in dims)
-    assert len(ZOO) >= 60 and written_out >= 15 and sum(dim > lazy_kernel.SPLIT_FEATURES_MAX for dim in dims) >= 40
+    written_out = sum(0 < dim <= DEFAULTS.split_features_max for dim in dims)
+    assert len(ZOO) >= 60 and written_out >= 15 and sum(dim > DEFAULTS.split_features_max for dim in dims) >= 40
 
 
 @pytest.mark.parametrize("name", every_other_slow(sorted(ZOO)))
@@ -1702,7 +1710,7 @@ def test_zoo_blocks_and_products_match_the_vmap_form(name):
         op = LazyKernel(kernel, x1, x2, batch_size=2)
         fast = (kernel_block(kernel, x1, x2), *((op @ v, w @ op) if through_the_engine else ()))
         with pytest.MonkeyPatch.context() as patch:  # the vmap form on the same blocks (XLA's pow, say,
-            patch.setattr(lazy_kernel, "PAIR_PROGRAM", False)  # rounds differently on other shapes)
+            use_settings(patch, pair_program=False)  # rounds differently on other shapes)
             vmapped = (lazy_kernel._vmap_block(kernel, x1, x2), *((op @ v, w @ op) if through_the_engine else ()))
         return fast, vmapped
 
@@ -1713,10 +1721,10 @@ def test_zoo_blocks_and_products_match_the_vmap_form(name):
 
 
 @pytest.mark.parametrize(
-    "name", every_other_slow(sorted(n for n, (_, dim, _, _) in ZOO.items() if dim in lazy_kernel.ACCELERATOR_FEATURES))
+    "name", every_other_slow(sorted(n for n, (_, dim, _, _) in ZOO.items() if dim in DEFAULTS.accelerator_features))
 )
 def test_accelerators_pair_program_matches_the_vmap_form(name, monkeypatch):
-    """An accelerator's blocks on ACCELERATOR_FEATURES features, run here: the pair program with every feature
+    """An accelerator's blocks on accelerator_features features, run here: the pair program with every feature
     written out (no loop), values as the vmap form; the gradient in the points as the vmap form's (the derivative
     an accelerator's blocks take: this checks the wiring), and, of blocks of K and of K.T alike, as central
     differences of the values (this checks the numbers, which the vmap form shares)."""
@@ -1849,13 +1857,13 @@ def test_zoo_hessians_match_the_vmap_form(name):
 
 @pytest.mark.parametrize("backend", ["cpu", "tpu"])
 def test_which_path_blocks_take(backend, monkeypatch):
-    """On CPU the pair program takes every D; on an accelerator, D in ACCELERATOR_FEATURES, and from
-    GEMM_FEATURES_MIN kernels whose squared distances of float32 points it takes by the GEMM."""
+    """On CPU the pair program takes every D; on an accelerator, D in accelerator_features, and from
+    gemm_features_min kernels whose squared distances of float32 points it takes by the GEMM."""
     plan_for(monkeypatch, backend)
-    on_cpu, few, pair = backend == "cpu", max(lazy_kernel.ACCELERATOR_FEATURES), "pair program"
+    on_cpu, few, pair = backend == "cpu", max(DEFAULTS.accelerator_features), "pair program"
     assert lazy_kernel.block_evaluation(RBF(), few) == lazy_kernel.block_evaluation(skewed, few) == pair
     assert lazy_kernel.block_evaluation(RBF(), few + 1) == (pair if on_cpu else "vmap")
-    many = lazy_kernel.GEMM_FEATURES_MIN
+    many = DEFAULTS.gemm_features_min
     assert lazy_kernel.block_evaluation(RBF(), many) == pair
     assert lazy_kernel.block_evaluation(RBF(), many, jnp.float64) == (pair if on_cpu else "vmap")
     assert lazy_kernel.block_evaluation(functools.partial(scaled_laplace, scale=1.3), many) == (
@@ -1929,14 +1937,14 @@ def test_a_kernel_holding_a_prng_key_is_planned_on_each_call(device):
 def test_gpjax_kernels_take_the_pair_program_without_fallbacks(device):
     gpjax = pytest.importorskip("gpjax", reason="gpjax is in the 'interop' extra")
     for kernel in (gpjax.kernels.RBF(), gpjax.kernels.Matern52(), gpjax.kernels.Periodic(), gpjax.kernels.Linear()):
-        assert lazy_kernel.block_evaluation(kernel, max(lazy_kernel.ACCELERATOR_FEATURES)) == "pair program", kernel
+        assert lazy_kernel.block_evaluation(kernel, max(DEFAULTS.accelerator_features)) == "pair program", kernel
 
 
 @pytest.mark.parametrize("backend", ["here", "tpu"])
-@pytest.mark.parametrize("dim", [lazy_kernel.GEMM_FEATURES_MIN - 1, lazy_kernel.GEMM_FEATURES_MIN])
+@pytest.mark.parametrize("dim", [DEFAULTS.gemm_features_min - 1, DEFAULTS.gemm_features_min])
 def test_squared_distances_take_the_gemm_from_gemm_features_min(dim, backend, monkeypatch, device):
     """Differences scaled after or before they are taken, squared by ``*``, ``**`` or a dot, reach the GEMM (whose
-    accuracy test_as_accurate_as_the_vmap_form checks at D = 256) from GEMM_FEATURES_MIN features on, on CPU and
+    accuracy test_as_accurate_as_the_vmap_form checks at D = 256) from gemm_features_min features on, on CPU and
     on an accelerator (faked here)."""
     if backend != "here":
         plan_for(monkeypatch, backend)
@@ -1959,12 +1967,12 @@ def test_squared_distances_take_the_gemm_from_gemm_features_min(dim, backend, mo
     for kernel in kernels:
         calls.clear()
         jax.eval_shape(functools.partial(kernel_block, kernel), *lazy_kernel._probe_blocks(dim, jnp.float32))
-        assert len(calls) == (dim >= lazy_kernel.GEMM_FEATURES_MIN), kernel
+        assert len(calls) == (dim >= DEFAULTS.gemm_features_min), kernel
 
 
 @pytest.mark.parametrize("x64", [True, False])
 def test_float32_distances_take_the_float64_gemm_where_the_kernel_takes_its_error(x64, monkeypatch, device):
-    """From WIDE_GEMM_FEATURES_MIN features, with x64 on or off: blocks of RBFs and Matern 5/2 on float32 points
+    """From wide_gemm_features_min features, with x64 on or off: blocks of RBFs and Matern 5/2 on float32 points
     near the origin come from the float64 GEMM (the loop, made NaN here, is not taken) and match the dense
     matrix; points 10^5 lengthscales out, and Matern 1/2 (whose derivative a d^2 error moves most), take the loop."""
     if jax.default_backend() != "cpu":
@@ -1972,7 +1980,7 @@ def test_float32_distances_take_the_float64_gemm_where_the_kernel_takes_its_erro
     if not lazy_kernel._float64_in_traces():
         pytest.skip("the float64 GEMM runs from JAX 0.8")
     monkeypatch.setattr(lazy_kernel, "_looped_sum", lambda size, feature, form: jnp.full_like(feature(0), jnp.nan))
-    dim = lazy_kernel.WIDE_GEMM_FEATURES_MIN
+    dim = DEFAULTS.wide_gemm_features_min
     ls = np.linspace(0.5, 1.5, dim).astype(np.float32)
     rng = np.random.default_rng(3)
     x1, x2 = (rng.normal(size=(n, dim)).astype(np.float32) for n in (9, 7))
@@ -2003,10 +2011,10 @@ def test_float32_distances_take_the_float64_gemm_where_the_kernel_takes_its_erro
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
 def test_gemm_blocks_match_the_dense_matrix(dtype, device):
-    """At GEMM_FEATURES_MIN features: both products, the transpose and gradients (points, lengthscales) against
+    """At gemm_features_min features: both products, the transpose and gradients (points, lengthscales) against
     the dense matrix in float64, for blocks of rows and of columns that take the GEMM with one pair per row
     repaired (duplicates and near-duplicates, K of order 1 elsewhere) and that take the loop (tight clusters)."""
-    dim = lazy_kernel.GEMM_FEATURES_MIN
+    dim = DEFAULTS.gemm_features_min
     rng = np.random.default_rng(7)
     ls = np.linspace(0.5, 1.5, dim)
     spread = rng.normal(size=(16, dim)) * ls / np.sqrt(dim)  # K of order 1
@@ -2044,7 +2052,7 @@ def test_gemm_repairs_two_pairs_per_row(backend, monkeypatch):
     dtype = jnp.float64 if backend == "cpu" else jnp.float32
     plan_for(monkeypatch, backend)
     monkeypatch.setattr(lazy_kernel, "_feature_sum", lambda size, feature, *_: jnp.full_like(feature(0), jnp.nan))
-    dim = lazy_kernel.GEMM_FEATURES_MIN
+    dim = DEFAULTS.gemm_features_min
     rng = np.random.default_rng(11)
     ls = np.linspace(0.5, 1.5, dim)
     x1 = 10 * ls + rng.normal(size=(6, dim)) * ls / np.sqrt(dim)  # K of order 1, off the origin
@@ -2164,7 +2172,7 @@ GENERATED_PROGRAMS = {}  # a program's text -> its jitted checks: hypothesis dra
     dtype=st.sampled_from([jnp.float32, jnp.float64, jnp.int32]),
     seed=st.integers(0, 9),
 )
-@example(kernel_program([("square", 2)]), lazy_kernel.GEMM_FEATURES_MIN, jnp.float64, 0)  # |x - y|^2 by the GEMM
+@example(kernel_program([("square", 2)]), DEFAULTS.gemm_features_min, jnp.float64, 0)  # |x - y|^2 by the GEMM
 @example(kernel_program([("square", 2), ("exp-neg-abs", 3)]), 0, jnp.float32, 0)  # no features
 @example(kernel_program([("dot", 2, 2), ("argmax", 3)]), 8, jnp.float32, 0)  # no derivative: no float64 GEMM
 def test_generated_kernels_run_as_the_vmap_form(program, dim, dtype, seed):
@@ -2491,9 +2499,9 @@ def assert_as_accurate_as_the_vmap_form(name, data, ls, dtype, x64, weights, fac
 
 
 ACCELERATOR_ACCURACY_CASES = [  # (D, x64): x64 off only at the GEMM; written out, no float64 step for it to change
-    (max(lazy_kernel.ACCELERATOR_FEATURES), True),
-    pytest.param(lazy_kernel.GEMM_FEATURES_MIN, True, marks=SLOW),
-    (lazy_kernel.GEMM_FEATURES_MIN, False),
+    (max(DEFAULTS.accelerator_features), True),
+    pytest.param(DEFAULTS.gemm_features_min, True, marks=SLOW),
+    (DEFAULTS.gemm_features_min, False),
 ]
 
 
@@ -2501,7 +2509,7 @@ ACCELERATOR_ACCURACY_CASES = [  # (D, x64): x64 off only at the GEMM; written ou
 @pytest.mark.parametrize("name", ["rbf-module", pytest.param("gpjax-Matern52", marks=SLOW), "matern12-pair"])
 def test_accelerators_blocks_as_accurate_as_the_vmap_form(name, dim, x64, monkeypatch):
     """The oracle test above for an accelerator's blocks (faked here), float32: at the most features written out
-    (no other test checks blocks written out at D = 21 to 64 against an oracle on CPU), and at GEMM_FEATURES_MIN,
+    (no other test checks blocks written out at D = 21 to 64 against an oracle on CPU), and at gemm_features_min,
     squared distances by the GEMM where the rule vouches, repaired pairs and blocks sent to the exact sum. Not
     through that test: its skip of D = 64 is for the CPU's own forms."""
     plan_for(monkeypatch, "tpu")
@@ -2524,7 +2532,7 @@ def integers_of(digits):
 @settings(max_examples=8)
 @given(
     dim=st.sampled_from([2, 16, 62, 63, 127, 128, 300]),  # bf16: 62 one product per level, 63 chunks; int8 from 128
-    count=st.sampled_from(lazy_kernel.DIGIT_COUNTS),
+    count=st.sampled_from(DEFAULTS.digit_counts),
     extreme=st.sampled_from(["random", "-128 and 127", "cancelling"]),
     seed=st.integers(0, 2**16),
 )
@@ -2544,8 +2552,8 @@ def test_fused_squared_distances_are_exact(dim, count, extreme, seed):
         digits[:, :6], digits[:, 6:] = np.array([1] + [-128] * (count - 1))[:, None, None], 127
         digits[0, 6:], digits[-1, :6, :3] = 0, rng.integers(-128, 128, size=(6, min(dim, 3)))
     digits[:, 2] = digits[:, 3]  # identical points
-    variant, chunks = lazy_kernel._fused_chunks(dim, count)
-    assert variant == ("int8" if dim >= lazy_kernel.FUSED_INT8_FEATURES_MIN else "bf16")
+    variant, chunks = lazy_kernel._fused_chunks(dim, count, lazy_kernel.SETTINGS)
+    assert variant == ("int8" if dim >= lazy_kernel.SETTINGS.fused_int8_features_min else "bf16")
     rows = lazy_kernel._packed(jnp.asarray(digits, jnp.int32), chunks, variant, left=True)
     cols = lazy_kernel._packed(jnp.asarray(digits, jnp.int32), chunks, variant, left=False)
     levels = 2 * count - 1
@@ -2578,7 +2586,7 @@ def grid_rounded(x, grid, count):
 @given(
     scale=st.floats(-25, 25).map(lambda exponent: 10.0**exponent),  # log-uniform: 1e-25 to 1e25
     offset=st.sampled_from([0.0, 1.0, 1e3, -1e6]),
-    count=st.sampled_from(lazy_kernel.DIGIT_COUNTS),
+    count=st.sampled_from(DEFAULTS.digit_counts),
     seed=st.integers(0, 2**16),
 )
 def test_points_on_the_grid_move_by_at_most_half_its_step(scale, offset, count, seed):
@@ -2648,8 +2656,8 @@ def test_fused_kernel_is_one_mosaic_takes(dim, width, monkeypatch):
         product = lambda x, v: (op(x) @ v, jax.grad(lambda x: jnp.sum(op(x) @ v))(x))  # noqa: E731
         x, v = jnp.ones((512, dim), jnp.float32), jnp.ones((512, width), jnp.float32)
         calls = pallas_calls(jax.make_jaxpr(product)(x, v).jaxpr)
-        backward = width == 1 and dim <= lazy_kernel.FUSED_BACKWARD_FEATURES_MAX
-        assert len(calls) == len(lazy_kernel.DIGIT_COUNTS) * (4 if backward else 2)  # product, gradient's, backward's 2
+        backward = width == 1 and dim <= DEFAULTS.fused_backward_features_max
+        assert len(calls) == len(DEFAULTS.digit_counts) * (4 if backward else 2)  # product, gradient's, backward's 2
         maps = [str(m.index_map_jaxpr) for call in calls for m in call.params["grid_mapping"].block_mappings]
         exported = jax.export.export(jax.jit(lambda *a: product(*a)), platforms=["tpu"])  # not make_jaxpr's trace
         plan = lazy_kernel.block_plan
@@ -2702,11 +2710,11 @@ FUSED_KERNELS = fused_kernels()
 @pytest.mark.parametrize("name", sorted(FUSED_KERNELS))
 @pytest.mark.parametrize("backend", ["cpu", "tpu"])
 def test_which_kernels_the_fused_form_takes(name, backend, monkeypatch):
-    """On a TPU, float32, from FUSED_FEATURES_MIN features: kernels of |s (x - y)|^2 with one scalar step s; not
+    """On a TPU, float32, from fused_features_min features: kernels of |s (x - y)|^2 with one scalar step s; not
     per-feature lengthscales, float64, a CPU, a kernel of no d^2, or with the layer switched off."""
     plan_for(monkeypatch, backend)
     make, _ = FUSED_KERNELS[name]
-    dim = lazy_kernel.FUSED_FEATURES_MIN
+    dim = DEFAULTS.fused_features_min
 
     def fused(kernel, dim=dim, dtype=jnp.float32):
         return isinstance(lazy_kernel.block_plan(kernel, dim, dtype).product, lazy_kernel.FusedProduct)
@@ -2716,7 +2724,7 @@ def test_which_kernels_the_fused_form_takes(name, backend, monkeypatch):
     assert not fused(make(0.9), dim - 1) and not fused(make(0.9), dtype=jnp.float64)
     assert not fused(RBF(jnp.linspace(0.5, 1.5, dim, dtype=jnp.float32)))  # a step per feature
     assert not fused(functools.partial(scaled_laplace, scale=1.3))  # no d^2
-    monkeypatch.setattr(lazy_kernel, "FUSED_PRODUCT", False)
+    use_settings(monkeypatch, fused_product=False)
     assert not fused(make(0.9))
 
 
@@ -2738,20 +2746,20 @@ def test_measure_compiles_the_program_that_runs_with_the_fused_layer(budget_mb, 
 
 @FUSED_ON_CPU
 def test_planning_for_a_tpu_compiles_the_fused_kernels_unless_told_to_interpret(monkeypatch):
-    """BACKEND says which chip blocks are planned for, INTERPRET_PALLAS alone whether Pallas is interpreted: a user
-    who sets BACKEND on a chip gets compiled kernels, checked against the chip's VMEM."""
-    monkeypatch.setattr(lazy_kernel, "BACKEND", "tpu")
+    """SETTINGS.backend says which chip blocks are planned for, interpret_pallas alone whether Pallas is
+    interpreted: a user who sets the backend on a chip gets compiled kernels, checked against the chip's VMEM."""
+    use_settings(monkeypatch, backend="tpu")
     monkeypatch.setattr(lazy_kernel, "_vmem_bytes", lambda: 128 * 2**20)
     product = lazy_kernel.block_plan(RBF(jnp.float32(2.0)), 16).product
     assert isinstance(product, lazy_kernel.FusedProduct) and not product.interpret
-    monkeypatch.setattr(lazy_kernel, "INTERPRET_PALLAS", True)
+    use_settings(monkeypatch, interpret_pallas=True)
     assert lazy_kernel.block_plan(RBF(jnp.float32(2.0)), 16).product.interpret
 
 
 @FUSED_ON_CPU
 def test_fused_form_asks_the_chip_for_its_vmem(monkeypatch):
     """On a TPU (JAX's own, not faked), the fused form runs where the chip's VMEM holds what its kernels ask for
-    (FUSED_TILES.vmem_limit_bytes, tested on a v5e's 128 MiB); on a chip with less, or one JAX cannot name, the
+    (fused_tiles.vmem_limit_bytes, tested on a v5e's 128 MiB); on a chip with less, or one JAX cannot name, the
     plan says why and the product is the pair program's."""
     monkeypatch.setattr(lazy_kernel.jax, "default_backend", lambda: "tpu")
     for vmem, fused in ((128 * 2**20, True), (64 * 2**20, False), (0, False)):
@@ -2774,7 +2782,7 @@ def test_fused_products_match_numpy(dim, width, count, monkeypatch):
     1e-3), with 3, N(0, 1); within 16 eps of the scale (|K| |X|); ragged sizes (neither a multiple of the tiles),
     1 to 64 columns, bf16 and int8 digits, under jit and vmap."""
     plan_for(monkeypatch, "tpu")
-    monkeypatch.setattr(lazy_kernel, "DIGIT_COUNTS", (count,))
+    use_settings(monkeypatch, digit_counts=(count,))
     rng = np.random.default_rng(dim + width)
     ls = float(np.float32(np.sqrt(dim / 3)))
     x1, x2 = (np.asarray(rng.normal(size=(n, dim)) + (count == 4) * 100 * ls, np.float32) for n in (70, 300))
@@ -2844,7 +2852,7 @@ def assert_fused_gradients_as_accurate(name, data, ls, rng, batch_size=64):
         x2 = x1[40:]
         v = np.asarray(rng.uniform(-0.25, 1, size=len(x2)), np.float32)
         args = (jnp.float32(ls), jnp.asarray(x1), jnp.asarray(x2), jnp.asarray(v))
-        assert len(pallas_calls(jax.make_jaxpr(gradients[0])(*args).jaxpr)) == 3 * len(lazy_kernel.DIGIT_COUNTS)
+        assert len(pallas_calls(jax.make_jaxpr(gradients[0])(*args).jaxpr)) == 3 * len(DEFAULTS.digit_counts)
         with as_users_compile():
             fused, vmapped = (gradient(*args) for gradient in compiled)
         assert_gradients_within_contract(fused, vmapped, x1, x2, v, ls, fused_family(name))
@@ -3007,7 +3015,7 @@ def test_fused_forms_over_several_tiles(width, monkeypatch):
     column) the fused backward's gradient in the lengthscale, x1, x2 and v, against NumPy float64 within the
     contract. Each tile's product is added into its rows' sums; the backward's column sums add every row tile."""
     plan_for(monkeypatch, "tpu")
-    monkeypatch.setattr(lazy_kernel, "FUSED_TILES", lazy_kernel.FusedTiles(rows=32, cols=128))
+    use_settings(monkeypatch, fused_tiles=lazy_kernel.FusedTiles(rows=32, cols=128))
     rng = np.random.default_rng(width)
     ls = float(np.float32(np.sqrt(16 / 3)))
     x1, x2 = (np.asarray(rng.normal(size=(n, 16)), np.float32) for n in (100, 300))
@@ -3141,7 +3149,7 @@ def fused_rule(kernel, x1, x2=None):
     plan = lazy_kernel.block_plan(RBF(), dim)  # a plan whose product is fused: its pair program and digits
     fusion = lazy_kernel._fusion(kernel, rows, cols, False, plan.block)
     verdicts = lazy_kernel._verdicts(lazy_kernel._grid(x1, x2), fusion, dim, plan.product)
-    return fusion, {c: bool(v.vouched) for c, v in zip(lazy_kernel.DIGIT_COUNTS, verdicts, strict=True)}
+    return fusion, {c: bool(v.vouched) for c, v in zip(lazy_kernel.SETTINGS.digit_counts, verdicts, strict=True)}
 
 
 @FUSED_ON_CPU
@@ -3170,7 +3178,7 @@ def test_fused_rule_vouches_where_the_grid_keeps_the_contract(name, monkeypatch)
     far = LazyKernel(make(1.0), 2000 * x, x, batch_size=20)
     v = jnp.linspace(-1, 1, 50, dtype=jnp.float32)
     fused = jax.jit(lambda v: far @ v)(v)
-    monkeypatch.setattr(lazy_kernel, "FUSED_PRODUCT", False)
+    use_settings(monkeypatch, fused_product=False)
     np.testing.assert_array_equal(fused, jax.jit(lambda v: far @ v)(v))
 
 
@@ -3379,10 +3387,10 @@ def test_sanity_check_passes_at_scale(dims, dtype, device, capsys, users_precisi
 
 @AT_SCALE
 def test_sanity_check_fails_at_scale_without_chunks(device, capsys, monkeypatch, users_precision):
-    """Without CONTRACTION_CHUNK, a TPU v5e's matrix unit rounds K @ X's sum over 65536 columns toward zero."""
+    """Without contraction chunks, a TPU v5e's matrix unit rounds K @ X's sum over 65536 columns toward zero."""
     if device.platform == "cpu":
         pytest.skip(ON_A_CHIP)
-    monkeypatch.setattr(lazy_kernel, "CONTRACTION_CHUNK", 2**31)
+    use_settings(monkeypatch, contraction_chunk=2**31)
     assert lazy_kernel.main([]) == 1
     verdict = capsys.readouterr().out.rstrip().splitlines()[-1]
     assert "K @ X (16 columns) (" in verdict, verdict
@@ -3501,7 +3509,7 @@ def test_fused_form_at_scale(dim, digits, offset, n, device, monkeypatch):
     fused = jax.jit(functools.partial(results, RBF))(*args)
     vmapped = jax.jit(functools.partial(results, RBFByVmap))(*args)
     assert taken["product"] == {digits - 3}, taken
-    assert dim > lazy_kernel.FUSED_BACKWARD_FEATURES_MAX or taken["backward"] == {digits - 3}, taken
+    assert dim > DEFAULTS.fused_backward_features_max or taken["backward"] == {digits - 3}, taken
     truth = linear_loss_oracle(x1, x2, ls, variance, v, w, wide)
     for got, vmap, (want, scale) in zip(fused, vmapped, truth.values(), strict=True):
         within_contract(got, vmap, want, scale)
@@ -3711,7 +3719,57 @@ def test_shard_map_on_two_processes():
 
 # -- the core alone: each optional layer cut out of the file -------------------------------------------
 
-LAYER_NEEDS = {"pair program": (), "measured blocks": (), "fused TPU product": ("pair program",)}
+LAYER_NEEDS = {  # each layer, and the layers it stands on
+    "sums and solves": (),
+    "kernel programs": (),
+    "pair program": ("kernel programs",),
+    "measured blocks": (),
+    "fused TPU product": ("kernel programs", "pair program"),
+}
+SHARED_SPANS = ("kernel programs",)  # spans whose private names the layers that stand on them use
+
+
+def spans_and_definitions(text):
+    """Each line's span ("core", a layer's name, or "end"), and each top-level name's span."""
+    span, spans = "core", []
+    for line in text.split("\n"):
+        marker = re.match(r"# --- (begin|end) optional layer: (.*) ---$", line)
+        if marker:
+            span = marker.group(2) if marker.group(1) == "begin" else "end"
+        spans.append(span)
+    defined = {}
+    for node in ast.parse(text).body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node]
+        for name in [getattr(t, "id", None) or getattr(t, "name", None) for t in targets]:
+            if name is not None:
+                defined.setdefault(name, spans[node.lineno - 1])
+    return spans, defined
+
+
+def names_across_spans(text):
+    """(span, name, the span defining it) for each top-level name a span uses that another defines."""
+    spans, defined = spans_and_definitions(text)
+    uses = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Name) and node.id in defined:
+            here = spans[node.lineno - 1]
+            if defined[node.id] != here and here != "end":
+                uses.add((here, node.id, defined[node.id]))
+    return uses
+
+
+def test_layers_reach_each_other_only_through_their_seams():
+    """The core names nothing a layer defines; a layer names no private name of another span but those the core
+    declares as the layers' API (``_LAYER_API``) and those of the shared spans it stands on."""
+    with open(lazy_kernel.__file__) as f:
+        uses = names_across_spans(f.read())
+    assert not [use for use in uses if use[0] == "core"]
+    private = {(layer, name, span) for layer, name, span in uses if name.startswith("_")}
+    allowed = {(layer, name, "core") for layer in LAYER_NEEDS for name in lazy_kernel._LAYER_API}
+    allowed |= {
+        (layer, name, span) for layer, name, span in private if span in SHARED_SPANS and span in LAYER_NEEDS[layer]
+    }
+    assert private <= allowed, sorted(private - allowed)
 
 
 def cut_layers(text, names):
@@ -3769,7 +3827,7 @@ print("core oracle passed;", type(plan.block).__name__, type(plan.sizing).__name
 @pytest.mark.usefixtures("cpu_only")
 @pytest.mark.parametrize(
     "names",
-    [pytest.param(("pair program", "measured blocks", "fused TPU product"), marks=SLOW)]
+    [pytest.param(tuple(LAYER_NEEDS), marks=SLOW)]
     + [
         pytest.param((name, *(n for n, needs in LAYER_NEEDS.items() if name in needs)), marks=SLOW)
         for name in LAYER_NEEDS
