@@ -2371,6 +2371,13 @@ _LAYERS.append(_measured_blocks_plan)
 # differences' squares (_fused_cotangents). It runs where the rule vouches with lambda bounding |tail'' / tail'|
 # too, up to D = fused_backward_features_max; elsewhere, and for wider operands, the unfused form's vjp.
 
+try:  # bound once, as JAX's Pallas TPU kernels bind them
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+except ImportError:
+    pl = pltpu = None
+_PALLAS_TPU = hasattr(pltpu, "CompilerParams") and hasattr(pltpu, "SMEM")  # JAX 0.4.30's has neither
+
 
 @dataclasses.dataclass(frozen=True)
 class FusedTiles:
@@ -2503,7 +2510,7 @@ def _fused_refuses(plan, kernel, dim, dtype):
         return f"{dtype} points" if dtype != jnp.float32 else f"D = {dim} < {settings.fused_features_min}"
     if not isinstance(plan.block, PairProgramForm):
         return "blocks not by the pair program"
-    if _pallas() is None or not _float64_in_traces():
+    if not _PALLAS_TPU or not _float64_in_traces():
         return f"JAX {jax.__version__} has no Pallas TPU or no float64 in traces (JAX 0.8 on)"
     if not settings.interpret_pallas and (vmem := _vmem_bytes()) < settings.fused_tiles.vmem_limit_bytes * 32 // 25:
         return f"the chip's VMEM ({vmem / 2**20:.3g} MiB a core, None: unknown) under what the kernels ask for"
@@ -2514,25 +2521,13 @@ def _fused_refuses(plan, kernel, dim, dtype):
 
 def _vmem_bytes():
     """A TPU core's VMEM in bytes (JAX's get_tpu_info, from 0.8.1; else by the chip's name), or 0 where unknown."""
-    tpu = _pallas()[1]
     try:
-        return tpu.get_tpu_info().vmem_capacity_bytes
+        return pltpu.get_tpu_info().vmem_capacity_bytes
     except (AttributeError, ValueError, RuntimeError):  # no get_tpu_info in this JAX, or a chip it does not know
         try:
             return _VMEM_BYTES.get(jax.devices("tpu")[0].device_kind, 0)
         except RuntimeError:  # no TPU here: planned for one (SETTINGS.backend) without interpreting
             return 0
-
-
-@functools.cache
-def _pallas():
-    """``(pallas, pallas.tpu)``, or None where this JAX lacks them (JAX 0.4.30 has no ``CompilerParams``)."""
-    try:
-        from jax.experimental import pallas
-        from jax.experimental.pallas import tpu
-    except ImportError:
-        return None
-    return (pallas, tpu) if hasattr(tpu, "CompilerParams") and hasattr(tpu, "SMEM") else None
 
 
 class _Fusion(NamedTuple):
@@ -2832,68 +2827,66 @@ class _Scalars(NamedTuple):
         return self.levels + self.constants + 1
 
 
-def _fused_kernel(tail, chunks, variant, width, scalars, rows, row_norms, cols, col_norms, *operand_and_out):
+def _fused_kernel(
+    tail, chunks, variant, width, scalars_ref, rows_ref, row_norms_ref, cols_ref, col_norms_ref, *operand_and_out_refs
+):
     """One tile of a block's product: d^2, K by the tail, and K times the operand's tile, added into the
     output's tile (its rows' sums over the columns, on the grid's second axis)."""
-    *operand, out = operand_and_out
+    *operand_refs, out_ref = operand_and_out_refs
     at = _Scalars(chunks[-1].level + 1, len(tail.constvars))
-    d2 = _tile_squared_distances(rows, row_norms, cols, col_norms, scalars, chunks, variant)
-    k = _on_tile(tail, [scalars[at.constant(i)] for i in range(at.constants)], d2).astype(jnp.float32)
-
-    pl = _pallas()[0]
+    d2 = _tile_squared_distances(rows_ref, row_norms_ref, cols_ref, col_norms_ref, scalars_ref, chunks, variant)
+    tail_consts = [scalars_ref[at.constant(i)] for i in range(at.constants)]
+    k = _on_tile(tail, tail_consts, d2).astype(jnp.float32)
 
     @pl.when(pl.program_id(1) == 0)
     def _():
-        out[...] = jnp.zeros_like(out)
+        out_ref[...] = jnp.zeros_like(out_ref)
 
     if width == 1:  # K @ v on the vector unit, into 128 lanes; the lanes are added outside
-        products = k * operand[0][...]
+        products = k * operand_refs[0][...]
         total = products[:, :128]
         for lane in range(128, products.shape[1], 128):
             total = total + products[:, lane : lane + 128]
-        out[...] += total
+        out_ref[...] += total
     else:  # HIGHEST's six bf16 products, as three: K in three exact bf16 pieces times the operand's
         dot = functools.partial(jax.lax.dot, precision=jax.lax.Precision.DEFAULT, preferred_element_type=jnp.float32)
-        out[...] += sum(
-            dot(piece.astype(jnp.bfloat16), x[...]) for piece, x in zip(_bf16_pieces(k), operand, strict=True)
-        )
+        pieces = _bf16_pieces(k)
+        out_ref[...] += sum(dot(p.astype(jnp.bfloat16), x[...]) for p, x in zip(pieces, operand_refs, strict=True))
 
 
-def _fused_backward_kernel(
-    tail, chunks, variant, squares, scalars, rows, row_norms, cols, col_norms, x, yt, ct, v, g1, g2, gv, gs
-):
+def _fused_backward_kernel(tail, chunks, variant, squares, scalars_ref, *refs):
     """One tile of a block's cotangents, for ``K @ v`` with cotangent ct: d^2 exactly as the product has it, K
     and C tail'(d^2) (C = ct_i v_j) by the tail's own derivative; then per feature, the differences pair by pair
     (no cancellation): row sums of A (x_i - y_j) into g1, column sums of -A (x_i - y_j) into g2, A = 2 s^2 C tail';
     column sums of ct K into gv; and into gs the tile's sums of C dtail/dc for each constant c of the tail, after
     three for the cotangent of s^2: with ``squares``, of C tail' |x - y|^2 (the differences' squares, as the vmap
     form has it); else of C tail' d^2, |C tail'| and |C tail'| d^2 on the grid (see _fused_cotangents)."""
+    rows_ref, row_norms_ref, cols_ref, col_norms_ref, x_ref, yt_ref, ct_ref, v_ref, *out_refs = refs
+    g1_ref, g2_ref, gv_ref, gs_ref = out_refs
     at = _Scalars(chunks[-1].level + 1, len(tail.constvars))
-    d2 = _tile_squared_distances(rows, row_norms, cols, col_norms, scalars, chunks, variant)
-    consts = [scalars[at.constant(i)] for i in range(at.constants)]
+    d2 = _tile_squared_distances(rows_ref, row_norms_ref, cols_ref, col_norms_ref, scalars_ref, chunks, variant)
+    tail_consts, s2 = [scalars_ref[at.constant(i)] for i in range(at.constants)], scalars_ref[at.s2]
     on_tile = lambda z, *c: _on_tile(tail, list(c), z).astype(jnp.float32)  # noqa: E731
-    k, pullback = jax.vjp(on_tile, d2, *consts)
-    by_d2, *by_consts = pullback(ct[...] * v[...])
-    a = by_d2 * (2 * scalars[at.s2])  # 2 s^2 C tail'
-
-    pl = _pallas()[0]
+    k, pullback = jax.vjp(on_tile, d2, *tail_consts)
+    by_d2, *by_consts = pullback(ct_ref[...] * v_ref[...])
+    a = by_d2 * (2 * s2)  # 2 s^2 C tail'
 
     @pl.when(pl.program_id(1) == 0)
     def _():
-        g1[...] = jnp.zeros_like(g1)
+        g1_ref[...] = jnp.zeros_like(g1_ref)
 
-    gv[...] = jnp.sum(ct[...] * k, 0, keepdims=True)[None]
+    gv_ref[...] = jnp.sum(ct_ref[...] * k, 0, keepdims=True)[None]
     columns, summed = [], 0.0
-    for feature in range(x.shape[1]):
-        difference = x[:, feature : feature + 1] - yt[feature : feature + 1, :]
+    for feature in range(x_ref.shape[1]):
+        difference = x_ref[:, feature : feature + 1] - yt_ref[feature : feature + 1, :]
         summed = summed + difference * difference if squares else summed
         products = a * difference
         lanes = products[:, :128]
         for lane in range(128, products.shape[1], 128):
             lanes = lanes + products[:, lane : lane + 128]
-        g1[:, feature : feature + 1] += jnp.sum(lanes, 1, keepdims=True)
+        g1_ref[:, feature : feature + 1] += jnp.sum(lanes, 1, keepdims=True)
         columns.append(-jnp.sum(products, 0, keepdims=True))
-    g2[...] = jnp.concatenate(columns, 0)[None]
+    g2_ref[...] = jnp.concatenate(columns, 0)[None]
     weights = jnp.abs(by_d2)
     by_s2 = (
         [jnp.sum(by_d2 * summed), 0.0, 0.0]
@@ -2901,7 +2894,7 @@ def _fused_backward_kernel(
         else [jnp.sum(by_d2 * d2), jnp.sum(weights), jnp.sum(weights * d2)]
     )
     sums = [*by_s2, *(jnp.sum(c) for c in by_consts)]
-    gs[...] = jnp.concatenate([jnp.broadcast_to(total, (1, 128)) for total in sums], 1)[None, None]
+    gs_ref[...] = jnp.concatenate([jnp.broadcast_to(total, (1, 128)) for total in sums], 1)[None, None]
 
 
 def _tile(count, most, align):
@@ -2914,7 +2907,6 @@ def _tile(count, most, align):
 def _tiled_call(kernel, grid, inputs, out_specs, out_shape, form):
     """One pallas_call of ``kernel`` over (row tiles, column tiles) for the product and the backward alike:
     ``inputs`` as (array, BlockSpec) pairs, the column axis accumulated ("arbitrary")."""
-    pl, tpu = _pallas()
     with jax.enable_x64(False):  # Mosaic takes no 64-bit values: the kernel's literals and index maps in 32 bits
         return pl.pallas_call(
             kernel,
@@ -2922,7 +2914,7 @@ def _tiled_call(kernel, grid, inputs, out_specs, out_shape, form):
             in_specs=[spec for _, spec in inputs],
             out_specs=out_specs,
             out_shape=out_shape,
-            compiler_params=tpu.CompilerParams(
+            compiler_params=pltpu.CompilerParams(
                 dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=form.tiles.vmem_limit_bytes
             ),
             interpret=form.interpret,
@@ -2930,15 +2922,15 @@ def _tiled_call(kernel, grid, inputs, out_specs, out_shape, form):
 
 
 def _by_row(shape):
-    return _pallas()[0].BlockSpec(shape, lambda i, j: (i, 0))
+    return pl.BlockSpec(shape, lambda i, j: (i, 0))
 
 
 def _by_col(shape):
-    return _pallas()[0].BlockSpec(shape, lambda i, j: (0, j))
+    return pl.BlockSpec(shape, lambda i, j: (0, j))
 
 
 def _in_smem():
-    return _pallas()[0].BlockSpec(memory_space=_pallas()[1].SMEM)
+    return pl.BlockSpec(memory_space=pltpu.SMEM)
 
 
 def _fused_product(rows, cols, operand, verdict, tail, form, digits):
@@ -2953,7 +2945,7 @@ def _fused_product(rows, cols, operand, verdict, tail, form, digits):
     spec = (
         (lambda: _by_col((1, tile_cols)))
         if width == 1
-        else (lambda: _pallas()[0].BlockSpec((tile_cols, 3 * width), lambda i, j: (j, 0)))
+        else (lambda: pl.BlockSpec((tile_cols, 3 * width), lambda i, j: (j, 0)))
     )
     inputs = [
         (verdict.scalars, _in_smem()),
@@ -2990,7 +2982,6 @@ def _fused_backward(rows, cols, points, operand, ct, verdict, s2, tail, form, di
     packed, row_norms = _packed(_digits(x, verdict.grid, digits), chunks, variant, left=True)
     ct = jnp.pad(ct.astype(jnp.float32), ((0, padded - b), (0, 0)))
     sums = 3 + len(tail.constvars)
-    pl = _pallas()[0]
     inputs = [
         (jnp.concatenate([verdict.scalars, jnp.stack([s2])]), _in_smem()),
         (packed, _by_row((tile_rows, packed.shape[1]))),
