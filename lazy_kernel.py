@@ -361,8 +361,8 @@ def _contract(a, b, plan, width):
 
 def _chunked_contract(a, b, chunk, precision):
     """``a @ b`` as one product per ``chunk`` of n (zero-padded), added on the vector unit: a TPU v5e's matrix
-    unit rounds a long float32 sum toward zero (90 eps at N = 65536). The barriers keep the chunks from folding
-    back into one product, and the block whole (fused into it, XLA:TPU held many blocks at once under ``grad``)."""
+    unit rounds a long float32 sum toward zero. The barriers keep the chunks from folding back into one product,
+    and the block whole (fused into it, XLA:TPU held many blocks at once under ``grad``)."""
     (rows, n), cols = a.shape, b.shape[1]
     pad = -n % chunk
     a, b = jax.lax.optimization_barrier(
@@ -1249,12 +1249,12 @@ class Settings(Settings):
     """The settings, with the pair program's."""
 
     pair_program: bool = True  # False: every block is the vmap form (or the kernel's cross_covariance)
-    split_features_max: int = 2  # on CPU, from 3 features the loop was faster than values written out
-    accelerator_features: range = range(2, 65)  # off the CPU, features written out beat the vmap form's lanes here
-    gemm_features_min: int = 128  # below it, too many pairs a GEMM cannot vouch for: the fallback costs more
-    wide_gemm_features_min: int = 8  # on CPU, the float64 GEMM beats the loop from here
-    sum_chunk: int = 4  # features summed pairwise per step of the loop (_looped_sum)
-    accelerator_wide_block_bytes: int = 256 * 2**20  # off the CPU, its blocks' fastest bytes (half for gradients)
+    split_features_max: int = 2  # on CPU, features written out to here, summed in a loop past it (bench --split)
+    accelerator_features: range = range(2, 65)  # off the CPU, D whose features are written out (--accelerator-features)
+    gemm_features_min: int = 128  # d^2 by the GEMM from here; below, too many pairs it cannot vouch for (--gemm)
+    wide_gemm_features_min: int = 8  # on CPU, d^2 by the float64 GEMM from here (--wide)
+    sum_chunk: int = 4  # features summed pairwise per step of the loop (_looped_sum; --chunks)
+    accelerator_wide_block_bytes: int = 256 * 2**20  # off the CPU, its blocks' fastest bytes, half for gradients
 
 
 SETTINGS = Settings()
@@ -1780,7 +1780,7 @@ def _one_at_a_time(size, feature):
 
 def _chunks(size, sum_chunk, feature):
     """``_looped_sum`` past ``sum_chunk`` features."""
-    width = max(sum_chunk, -(-size // 16))  # at most 16 chunks: 32 (8 features at D = 256) missed the far-apart test
+    width = max(sum_chunk, -(-size // 16))  # at most 16 chunks: the error bound above
     chunks, rest = divmod(size, width)
 
     def chunk(first, count=width):
@@ -2011,9 +2011,9 @@ class Settings(Settings):
     """The settings, with the measured blocks'."""
 
     measured_blocks: bool = True  # False: blocks of batch_size_row, the seed's arithmetic
-    cpu_block_bytes: int = 4 * 2**20  # cache-sized blocks were the fastest on CPU
-    cpu_min_block: int = 64  # blocks of 16 rows or columns were slower
-    accelerator_block_bytes: int = 64 * 2**20  # off the CPU, smaller blocks were slower at D = 3, larger no faster
+    cpu_block_bytes: int = 4 * 2**20  # the fastest block on CPU, cache-sized (bench --blocks)
+    cpu_min_block: int = 64  # the fewest rows or columns of a block on CPU (--blocks)
+    accelerator_block_bytes: int = 64 * 2**20  # the fastest block off the CPU (--accelerator-blocks)
 
 
 SETTINGS = Settings()
@@ -2395,10 +2395,9 @@ class Settings(Settings):
 
     fused_product: bool = True  # False: no block's product is fused on a TPU
     interpret_pallas: bool = False  # True: the fused kernels run interpreted, on any backend (the tests' on a CPU)
-    fused_features_min: int = 16  # on a TPU, the fused product from here: below, the unfused form was faster
+    fused_features_min: int = 16  # on a TPU, the fused product from here (bench --fused)
     fused_width_max: int = 64  # operand columns the fused product takes; a wider operand gets the unfused form
-    fused_backward_features_max: int = 64  # the fused backward to here; above, the unfused vjp (the backward's
-    # work grows with D, and Mosaic compiles it slowly at D = 256)
+    fused_backward_features_max: int = 64  # the fused backward to here, the unfused vjp above (its work grows with D)
     fused_int8_features_min: int = 128  # digits in int8 from here (half bf16's matrix-unit time, more vector work)
     digit_counts: tuple[int, ...] = (3, 4)  # signed 8-bit digits per coordinate: the fewest the rule vouches for
     fused_tiles: FusedTiles = FusedTiles()
