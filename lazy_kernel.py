@@ -390,9 +390,10 @@ def _zeros_varying_like(shape, dtype, tree):
     return jnp.broadcast_to(zero, shape)
 
 
-def _product(op, rhs, dtype, block):
+def _product(op, rhs, dtype, block, refined=True):
     """``op @ rhs``, rhs [N, width], by the engine at ``block`` rows per block, each row block's product made as
-    the plan says (the sizing layers' way in: the product at a block of their choosing)."""
+    the plan says (the sizing layers' way in: the product at a block of their choosing); with ``refined`` False,
+    the block contracted even where the plan names a product (a sizing layer's choice)."""
     kernel, x1, cols, transposed, plan = op.kernel, jnp.asarray(op.x1), jnp.asarray(op.x2), op.transposed, op.plan
     width = rhs.shape[1]
     if isinstance(plan.block, CrossCovarianceForm) and transposed:  # its blocks are K's: X @ K by K's columns
@@ -401,7 +402,7 @@ def _product(op, rhs, dtype, block):
     def rows_times(rows):
         return _contract(plan.block.make(kernel, rows, cols, transposed).astype(dtype), rhs, plan, width)
 
-    if plan.product is not None:
+    if plan.product is not None and refined:
         rows_times = plan.product.rows_times(op, x1, cols, rhs, rows_times)
     return _blockwise_matmul(rows_times, x1, width, dtype, block, _reverse_mode_policy(op), (op, rhs))
 
@@ -2041,8 +2042,8 @@ class MeasuredBlocks:
         None."""
         differentiated = _differentiated(op, wrt) if wrt else None
         if wrt and not op.checkpoint:  # no block bounds what reverse mode stores: measured at the product's
-            product = _measured_block(op, width, op.dtype, given=op.batch_size)
-            stored = _measured_block(op, width, op.dtype, given=product.rows, differentiated=differentiated)
+            product, refined = _measured_block(op, width, op.dtype, given=op.batch_size, with_form=True)
+            stored = _measured_block(op, width, op.dtype, product.rows, differentiated=differentiated, refined=refined)
             return stored._replace(limit_mb=product.limit_mb)
         return _measured_block(op, width, op.dtype, op.batch_size, cached_only, differentiated)
 
@@ -2090,25 +2091,27 @@ def _measured_product(op, rhs, dtype):
     """
     width = rhs.shape[1]
     if not (op.checkpoint and jnp.issubdtype(dtype, jnp.inexact)):  # no gradient within the budget
-        return _product(op, rhs, dtype, _measured_block(op, width, dtype).rows)
+        measured, refined = _measured_block(op, width, dtype, with_form=True)
+        return _product(op, rhs, dtype, measured.rows, refined)
     leaves, treedef = jax.tree_util.tree_flatten((op, rhs))
     closed_over = _closed_over(op)
 
-    def at(block, inputs):
+    def at(measured, inputs):
+        (block, *_), refined = measured
         rebuilt, operand = treedef.unflatten(inputs[: len(leaves)])
-        product = functools.partial(_product, rebuilt, operand, dtype, block)
+        product = functools.partial(_product, rebuilt, operand, dtype, block, refined)
         if not closed_over:
             return product()
         return _eval_replacing(jax.make_jaxpr(product)(), closed_over, inputs[len(leaves) :])
 
     @jax.custom_jvp
     def product(*inputs):
-        return at(_measured_block(op, width, dtype).rows, inputs)
+        return at(_measured_block(op, width, dtype, with_form=True), inputs)
 
     def gradient_at_its_block(primals, tangents):
         moved = tuple(not isinstance(t, jax.custom_derivatives.SymbolicZero) for t in tangents)
-        block = _measured_block(op, width, dtype, differentiated=moved).rows
-        moving = _of_moved(functools.partial(at, block), primals, moved)
+        measured = _measured_block(op, width, dtype, differentiated=moved, with_form=True)
+        moving = _of_moved(functools.partial(at, measured), primals, moved)
         return jax.jvp(moving, _moved(primals, moved), _moved(tangents, moved))
 
     product.defjvp(gradient_at_its_block, symbolic_zeros=True)
@@ -2116,8 +2119,8 @@ def _measured_product(op, rhs, dtype):
         return product(*leaves, *closed_over)
     except NotImplementedError:  # JAX 0.4's shard_map(check_rep=True) takes no symbolic zeros: the gradient is unknown
         wrts = (("x1", "operand"), ("x2", "operand"), ("kernel", "x1", "x2", "operand"))
-        block = min(_measured_block(op, width, dtype, differentiated=_differentiated(op, w)).rows for w in wrts)
-        return _product(op, rhs, dtype, block)
+        forms = [_measured_block(op, width, dtype, differentiated=_differentiated(op, w), with_form=True) for w in wrts]
+        return _product(op, rhs, dtype, min(m.rows for m, _ in forms), all(refined for _, refined in forms))
 
 
 def _eval_replacing(closed, tracers, values, *args):
@@ -2161,37 +2164,51 @@ def _kernel_program(op):
     return jax.make_jaxpr(block)(leaves, *probes)
 
 
-def _measured_block(op, width, dtype, given=None, cached_only=False, differentiated=None):
-    """The block for ``op @ X``, X [N, width] of ``dtype``, and its measured peak.
+def _measured_block(
+    op, width, dtype, given=None, cached_only=False, differentiated=None, refined=True, with_form=False
+):
+    """The block for ``op @ X``, X [N, width] of ``dtype``, and its measured peak; ``with_form``, and whether the
+    plan's product runs (``refined``): where its peak does not fit the budget, blocks contracted may.
 
     ``differentiated``: None for the product; for its gradient, a flag for
     each input (op's pytree leaves, X, then ``_closed_over(op)``): is the
     gradient taken with respect to it. ``given`` rows are measured as they
-    are. With ``cached_only``, nothing is compiled: the answer if it is
-    known, else None.
+    are, ``refined`` or not. With ``cached_only``, nothing is compiled: the
+    answer if it is known, else None.
     """
     key = (_peak_key(op, width, dtype), differentiated)
     m = op.shape[0]
 
-    def peak(rows):
-        if (key, rows) not in _PEAKS:
-            _PEAKS[key, rows] = _compiled_peak(op, width, dtype, rows, differentiated)
-        return _PEAKS[key, rows]
+    def peak(rows, refined=True):
+        if (key, rows, refined) not in _PEAKS:
+            _PEAKS[key, rows, refined] = _compiled_peak(op, width, dtype, rows, differentiated, refined)
+        return _PEAKS[key, rows, refined]
 
     if given is not None:
         rows = max(1, min(given, m))
-        if cached_only and (key, rows) not in _PEAKS:
+        if cached_only and (key, rows, refined) not in _PEAKS:
             return None
-        return Measurement(rows, peak(rows) / 2**20, math.nan)
+        measured = Measurement(rows, peak(rows, refined) / 2**20, math.nan)
+        return (measured, refined) if with_form else measured
     data = sum(jnp.size(a) * jnp.result_type(a).itemsize for a in jax.tree_util.tree_leaves(op))
     data += (m + op.shape[1]) * width * jnp.dtype(dtype).itemsize  # the operand and the result
     limit = op.max_memory_mb * 2**20 + 2 * data  # the data and their cotangents: no block size removes them
     if (key, limit) not in _BLOCKS:  # decided once: a warning is said once
         if cached_only:
             return None
-        _BLOCKS[key, limit] = _fit(peak, _fastest_rows(op, differentiated is not None), limit, op)
-    rows, at_rows = _BLOCKS[key, limit]
-    return Measurement(rows, at_rows / 2**20, limit / 2**20)
+        fastest = _fastest_rows(op, differentiated is not None)
+        choice = (*_fit(peak, fastest, limit), True)
+        if choice[1] > limit and op.plan.product is not None:  # the plan's product over the budget: without it
+            choice = min(choice, (*_fit(functools.partial(peak, refined=False), fastest, limit), False), key=_peak_of)
+        _BLOCKS[key, limit] = choice
+        _check_fit(choice[1], limit, op)
+    rows, at_rows, refined = _BLOCKS[key, limit]
+    measured = Measurement(rows, at_rows / 2**20, limit / 2**20)
+    return (measured, refined) if with_form else measured
+
+
+def _peak_of(choice):
+    return choice[1]
 
 
 def _fastest_rows(op, gradient):
@@ -2207,9 +2224,9 @@ def _fastest_rows(op, gradient):
     return max(1, min(rows, -(-op.shape[0] // 2) if gradient else op.shape[0]))
 
 
-def _fit(peak, rows, limit, op):
+def _fit(peak, rows, limit):
     """Rows, at most ``rows``, whose measured ``peak(rows)`` fits ``limit`` (else 1); and that peak. A peak of inf
-    (too large to compile) halves the block first; with no room for one row, a MemoryError.
+    (too large to compile) halves the block first.
 
     A block that must shrink is aimed 10% under where the fitted line meets
     the limit: XLA's peaks wander around the line, and each miss costs a compile.
@@ -2227,6 +2244,11 @@ def _fit(peak, rows, limit, op):
             rows = max(1, min(rows - 1, int(0.9 * (limit - fixed) / per_row)))
             at_rows = peak(rows)
             per_row = max(per_row, (at_rows - fixed) / rows)
+    return rows, at_rows
+
+
+def _check_fit(at_rows, limit, op):
+    """A MemoryError where XLA finds no room for a block of one row, a warning where its peak is over ``limit``."""
     if math.isinf(at_rows):
         raise MemoryError(
             f"LazyKernel{op.shape}: XLA finds no room on this device for the temporaries of a block of one row "
@@ -2239,11 +2261,11 @@ def _fit(peak, rows, limit, op):
             f"({limit / 2**20:.3g} MiB in all); using 1 row per block",
             stacklevel=4,  # the caller of block_rows or measure()
         )
-    return rows, at_rows
 
 
-def _compiled_peak(op, width, dtype, rows, differentiated):
-    """XLA's temporaries in bytes for ``op @ X`` at ``rows`` rows per block, or for its gradient.
+def _compiled_peak(op, width, dtype, rows, differentiated, refined=True):
+    """XLA's temporaries in bytes for ``op @ X`` at ``rows`` rows per block, or for its gradient (``refined``: by
+    the plan's product, as _product's).
 
     The gradient is in reverse mode with respect to the inputs
     ``differentiated`` flags (see _measured_block). The programs
@@ -2263,7 +2285,7 @@ def _compiled_peak(op, width, dtype, rows, differentiated):
         kernel = treedef.unflatten([next(arrays) if _is_array(a) else a for a in leaves])
         settings = dict(batch_size=rows, checkpoint=op.checkpoint, max_memory_mb=op.max_memory_mb)  # as op runs
         measured = LazyKernel(kernel, x2, x1, **settings).T if op.transposed else LazyKernel(kernel, x1, x2, **settings)
-        return _product(measured, rhs, dtype, rows)
+        return _product(measured, rhs, dtype, rows, refined)
 
     closed = jax.make_jaxpr(product)(inputs["kernel"], *inputs["x1"], *inputs["x2"], *inputs["rhs"])
     closed_over = _closed_over(op)
@@ -2358,8 +2380,8 @@ _LAYERS.append(_measured_blocks_plan)
 # d^2. K moves by |tail'| times that, and lambda bounds |tail' / tail| (taken in float64 at d^2 from 0 to 64).
 # The rule vouches where, for every d, this bound is within the contract (16 eps of K plus 4x the direct sum's):
 # lambda rho^2 (1 + 1 / kappa) <= 16 eps, with kappa = (4 (D + n + 1) - (G + 2 n + 3)) u. A product takes the
-# fewest digits vouched for (RBF: 3 where |s| R <= 4, 4 where |s| R <= 1024). Elsewhere the unfused form runs, as it
-# does where the columns' digits would take more than half of max_memory_mb.
+# fewest digits vouched for (RBF: 3 where |s| R <= 4, 4 where |s| R <= 1024). Elsewhere the unfused form runs. The
+# columns' digits count in the product's measured peak: where that cannot fit max_memory_mb, blocks are contracted.
 # Which kernels, D and chips the form takes is the plan's (_fused_refuses); which digits, the data's.
 #
 # Derivatives: the product is a primitive of its own (_fused_primitives). Forward mode, and anything of second
@@ -2431,18 +2453,12 @@ class FusedProduct:
     def rows_times(self, op, x1, x2, rhs, rows_times):
         """The engine's ``rows_times`` by the fused form where this layer's rule vouches for the points, else by
         ``rows_times`` (whose derivatives both use); ``rows_times`` itself where the fused form does not take the
-        product: an operand wider than ``width_max``, or the columns' digits over half of ``max_memory_mb``."""
+        product: an operand wider than ``width_max``. The columns' digits count in the product's peak, which
+        ``max_memory_mb`` bounds (where measured blocks cannot fit it, they run without this product)."""
         kernel, transposed, plan = op.kernel, op.transposed, op.plan
         n, width, dim = x2.shape[0], rhs.shape[1], x1.shape[1]
-        digit_bytes = sum((c[-1].offset + c[-1].padded) * n * (2 if v == "bf16" else 1) for _, v, c in self.packings)
         fused_backward = width == 1 and self.backward
-        digit_bytes += 4 * dim * n * len(self.packings) * fused_backward  # the columns' grid moves
-        budget = op.max_memory_mb * 2**20
-        if (
-            rhs.dtype != jnp.float32
-            or not (0 < width <= self.width_max and n and x1.shape[0])
-            or digit_bytes > budget / 2
-        ):
+        if rhs.dtype != jnp.float32 or not (0 < width <= self.width_max and n and x1.shape[0]):
             return rows_times
         example = (x2[0], x1[0]) if transposed else (x1[0], x2[0])
         pair, consts = jax.closure_convert(lambda x, y: kernel(x, y), *example)
