@@ -2880,10 +2880,11 @@ def _fused_backward_kernel(tail, chunks, variant, squares, scalars_ref, *refs):
     g1_ref, g2_ref, gv_ref, gs_ref = out_refs
     at = _Scalars(chunks[-1].level + 1, len(tail.constvars))
     d2 = _tile_squared_distances(rows_ref, row_norms_ref, cols_ref, col_norms_ref, scalars_ref, chunks, variant)
-    tail_consts, s2 = [scalars_ref[at.constant(i)] for i in range(at.constants)], scalars_ref[at.s2]
+    tail_consts = [scalars_ref[at.constant(i)] for i in range(at.constants)]
     on_tile = lambda z, *c: _on_tile(tail, list(c), z).astype(jnp.float32)  # noqa: E731
     k, pullback = jax.vjp(on_tile, d2, *tail_consts)
     by_d2, *by_consts = pullback(ct_ref[...] * v_ref[...])
+    s2 = scalars_ref[at.s2]
     a = by_d2 * (2 * s2)  # 2 s^2 C tail'
 
     @pl.when(pl.program_id(1) == 0)
