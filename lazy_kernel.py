@@ -257,9 +257,9 @@ class Plan:
 
 _LAYERS = []  # refine(plan, kernel, dim, dtype) -> plan, one for each optional layer in the file: the core's seam
 # What a layer may use of the core besides its public names: the layers' API.
-_LAYER_API = (
-    *("_LAYERS", "_Operator", "_traced", "_settings", "_product", "_contract", "_vmap_block", "_probe_blocks"),
-    *("_zeros_varying_like", "_is_array"),
+_LAYER_API = frozenset(
+    "_LAYERS _Operator _traced _settings _product _contract _vmap_block _probe_blocks _zeros_varying_like "
+    "_is_array".split()
 )
 _PLANS = {}  # (kernel structure, D, dtype, backend, settings) -> Plan
 
@@ -2199,16 +2199,13 @@ def _measured_block(
         fastest = _fastest_rows(op, differentiated is not None)
         choice = (*_fit(peak, fastest, limit), True)
         if choice[1] > limit and op.plan.product is not None:  # the plan's product over the budget: without it
-            choice = min(choice, (*_fit(functools.partial(peak, refined=False), fastest, limit), False), key=_peak_of)
+            unrefined = (*_fit(functools.partial(peak, refined=False), fastest, limit), False)
+            choice = min(choice, unrefined, key=lambda fit: fit[1])  # the lower peak
         _BLOCKS[key, limit] = choice
         _check_fit(choice[1], limit, op)
     rows, at_rows, refined = _BLOCKS[key, limit]
     measured = Measurement(rows, at_rows / 2**20, limit / 2**20)
     return (measured, refined) if with_form else measured
-
-
-def _peak_of(choice):
-    return choice[1]
 
 
 def _fastest_rows(op, gradient):
