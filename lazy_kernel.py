@@ -1304,8 +1304,8 @@ class PairProgramForm:
         return self.name + (f" (by vmap: {', '.join(vmapped)})" if vmapped else "")
 
     def squared_distance(self, kernel, xa, xb, transposed=False):
-        """The kernel on the block ``xa``, ``xb`` as a function of one squared distance d^2 = |s (x - y)|^2 with
-        one scalar step s, as this program reads it: a SquaredDistance, or why it is not one (a str)."""
+        """The kernel on the block ``xa``, ``xb`` as a function of one squared distance d^2 = |s (x - y)|^2 with a
+        step s, a scalar or one per feature, as this program reads it: a SquaredDistance, or why it is not one."""
         probe = dataclasses.replace(self, written_out=0, squared_distances=())  # every d^2 seen
         run = _pair_program_run(kernel, xa, xb, transposed, probe)
         if not run.distances:
@@ -1314,17 +1314,15 @@ class PairProgramForm:
         tail = run.tail(eqn)
         if tail is None:
             return "the kernel depends on the points otherwise than through d^2"
-        if any(other is not None and jnp.size(other) != 1 for _, other, _ in point.steps):
-            return "a step per feature (per-feature lengthscales)"
-        step = _dense(point.scaling(jnp.ones((1, 1, 1), point.point.dtype))).reshape(())
-        return SquaredDistance(step, len(point.steps), tail)
+        step = _dense(point.scaling(jnp.ones((1, 1, 1), point.point.dtype)))
+        return SquaredDistance(step.reshape(() if step.size == 1 else -1), len(point.steps), tail)
 
 
 class SquaredDistance(NamedTuple):
     """A kernel as its program computes it on a block: K = tail(d^2), d^2 = |s (x - y)|^2 (PairProgramForm's
     ``squared_distance``)."""
 
-    step: jax.Array  # s, traced
+    step: jax.Array  # s, traced: a scalar, or [D] (a step per feature)
     steps: int  # the scaling steps that make s (each rounds)
     tail: jax.extend.core.ClosedJaxpr  # K as a function of d^2, a scalar, to [1, 1]
 
@@ -2353,9 +2351,9 @@ _LAYERS.append(_measured_blocks_plan)
 #
 # Needs the pair program (its form and its reading of a kernel's program: _fusion).
 #
-# Where a kernel is a function of d^2 = |s (x - y)|^2 with one scalar step s (a lengthscale), a TPU's matrix
-# unit computes |x - y|^2 exactly for points on a grid. Each coordinate x_d becomes m_d + r h: m the middle of the
-# points' range in each feature, h = R 2^(2 - 8 c) with R >= every |x_d - m_d|, and r an integer of c signed
+# Where a kernel is a function of d^2 = |s (x - y)|^2 with a step s (a lengthscale, or one per feature), a TPU's
+# matrix unit computes |x - y|^2 exactly for points on a grid. Each coordinate x_d becomes m_d + r h: m the middle of
+# the points' range in each feature, h = R 2^(2 - 8 c) with R >= every |x_d - m_d|, and r an integer of c signed
 # 8-bit digits (top first), taken in float64 (the difference exact). The grid moves a coordinate by at most h / 2:
 # with c = 4, 2^-31 R (under a 128th of R's ulp); with c = 3, 2^-23 R (an ulp or two), so the rule vouches for
 # fewer points, but a block takes 9 digit products, not 16. Only R counts, not how far the points are from the
@@ -2380,6 +2378,10 @@ _LAYERS.append(_measured_blocks_plan)
 # fewest digits vouched for (RBF: 3 where |s| R <= 4, 4 where |s| R <= 1024). Elsewhere the unfused form runs. The
 # columns' digits count in the product's measured peak: where that cannot fit max_memory_mb, blocks are contracted.
 # Which kernels, D and chips the form takes is the plan's (_fused_refuses); which digits, the data's.
+#
+# A step per feature (lengthscales per feature) is taken into the points: the grid is that of s_d x_d, each
+# product of two float32 values exact in float64, and the rule's s is 1 (R that of the scaled points). Its
+# derivatives are all the unfused form's.
 #
 # Derivatives: the product is a primitive of its own (_fused_primitives). Forward mode, and anything of second
 # order, is the unfused form's. Reverse mode of K @ v (one operand column) runs a second Pallas kernel per block
@@ -2463,7 +2465,9 @@ class FusedProduct:
         fusion = _fusion(lambda x, y: pair(x, y, *consts), *probe, transposed, plan.block)
         if isinstance(fusion, str):
             return rows_times
-        grid = _grid(x1, x2)
+        per_feature = jnp.ndim(fusion.step) == 1  # its step in the grid; its gradients by rows_times' vjp
+        fused_backward = fused_backward and not per_feature
+        grid = _grid(x1, x2, fusion.step if per_feature else None)
         verdicts = _verdicts(grid, fusion, dim, self)
         tile_cols, columns = _tile(n, self.tiles.cols, 128)
         points = jax.lax.stop_gradient(_padded(x2, columns))
@@ -2512,7 +2516,7 @@ def _fused_plan(plan, kernel, dim, dtype):
 def _fused_refuses(plan, kernel, dim, dtype):
     """Why the fused form does not take this kernel's products, or None: it takes float32 points on a TPU with
     room for its kernels, from ``fused_features_min`` features, blocks the pair program makes, and a kernel of
-    |s (x - y)|^2 with one scalar step s and a tail the Pallas kernel runs."""
+    |s (x - y)|^2 with a step s (a scalar or one per feature) and a tail the Pallas kernel runs."""
     settings = SETTINGS
     if not settings.fused_product:
         return "SETTINGS.fused_product is off"
@@ -2545,7 +2549,7 @@ def _vmem_bytes():
 class _Fusion(NamedTuple):
     """What the fused form reads of a kernel's program on a block: d^2 = |s (x - y)|^2 and K = tail(d^2)."""
 
-    step: jax.Array  # s, traced
+    step: jax.Array  # s, traced: a scalar, or [D] (a step per feature)
     steps: int  # the scaling steps that make s (each rounds)
     tail: object  # the tail, a ClosedJaxpr of d^2
     tile_tail: object  # the tail as the Pallas kernel runs it: a Jaxpr of d^2 alone (_hoisted)
@@ -2678,24 +2682,32 @@ def _in_pieces(total, most):
     return [most] * (total // most) + [total % most] * bool(total % most)
 
 
-def _grid(x1, x2):
-    """The fused form's grid for the points of x1 and x2 [n, D]: per feature the middle m of their range, and R >=
-    every |x - m| (float32, rounded up from float64, where the difference of two float32 values is exact)."""
+def _grid(x1, x2, scale=None):
+    """The fused form's grid for the points of x1 and x2 [n, D] (each feature times ``scale``, [D] float32, where
+    given: a step per feature, taken into the grid): per feature the middle m of their range, and R >= every
+    |x - m| (float32, rounded up from float64, where the difference of two float32 values, or their product, is
+    exact); and ``scale``."""
     x1, x2 = jax.lax.stop_gradient((x1, x2))
     low, high = jnp.minimum(jnp.min(x1, 0), jnp.min(x2, 0)), jnp.maximum(jnp.max(x1, 0), jnp.max(x2, 0))
     with _float64():
         low, high = low.astype(jnp.float64), high.astype(jnp.float64)
+        if scale is not None:
+            scale = jax.lax.stop_gradient(jnp.abs(scale))
+            low, high = low * scale.astype(jnp.float64), high * scale.astype(jnp.float64)
         centre = ((low + high) / 2).astype(jnp.float32)
         reach = jnp.max(jnp.maximum(high - centre, centre - low)).astype(jnp.float32)
-    return centre, jnp.maximum(reach * jnp.float32(1 + 2**-22), jnp.float32(2**-100))  # rounded up
+    reach = jnp.maximum(reach * jnp.float32(1 + 2**-22), jnp.float32(2**-100))  # rounded up
+    return (centre, reach) if scale is None else (centre, reach, scale)
 
 
 def _grid_integers(points, grid, count):
-    """r of float32 points [n, D] on ``grid``'s m + r h, h = R 2^(2 - 8 count) (int32). In float64 r is within
-    2^-22 of (x - m) / h before it is rounded, and |r| <= 2^(8 count - 2)."""
-    centre, reach = grid
+    """r of float32 points [n, D] (times the grid's scale per feature, if it has one) on ``grid``'s m + r h,
+    h = R 2^(2 - 8 count) (int32). In float64 r is within 2^-22 of (x - m) / h before it is rounded, and
+    |r| <= 2^(8 count - 2)."""
+    centre, reach, *per_feature = grid
     with _float64():
         scale = jnp.float64(2.0 ** (8 * count - 2)) / reach.astype(jnp.float64)
+        points = points.astype(jnp.float64) * per_feature[0].astype(jnp.float64) if per_feature else points
         return jnp.round((points.astype(jnp.float64) - centre.astype(jnp.float64)) * scale).astype(jnp.int32)
 
 
@@ -3060,7 +3072,8 @@ def _verdicts(grid, fusion, dim, form, derivative=False):
     verdicts = []
     for digits, _, _ in form.packings:
         levels = 2 * digits - 1
-        h = jnp.abs(fusion.step) * jnp.ldexp(grid[1], 2 - 8 * digits)  # the grid's step, in d's units (rounded once)
+        step = jnp.abs(fusion.step) if len(grid) == 2 else 1.0  # a step per feature is in the grid's points
+        h = step * jnp.ldexp(grid[1], 2 - 8 * digits)  # the grid's step, in d's units (rounded once)
         rho = math.sqrt(dim) * h * (1 + 2**-20)
         kappa = (4 * (dim + fusion.steps + 1) - (levels + 2 * fusion.steps + 3)) * eps / 2
         h2 = h * h

@@ -2710,8 +2710,8 @@ FUSED_KERNELS = fused_kernels()
 @pytest.mark.parametrize("name", sorted(FUSED_KERNELS))
 @pytest.mark.parametrize("backend", ["cpu", "tpu"])
 def test_which_kernels_the_fused_form_takes(name, backend, monkeypatch):
-    """On a TPU, float32, from fused_features_min features: kernels of |s (x - y)|^2 with one scalar step s; not
-    per-feature lengthscales, float64, a CPU, a kernel of no d^2, or with the layer switched off."""
+    """On a TPU, float32, from fused_features_min features: kernels of |s (x - y)|^2 with a step s, one or per
+    feature; not float64, a CPU, a kernel of no d^2, or with the layer switched off."""
     plan_for(monkeypatch, backend)
     make, _ = FUSED_KERNELS[name]
     dim = DEFAULTS.fused_features_min
@@ -2722,7 +2722,7 @@ def test_which_kernels_the_fused_form_takes(name, backend, monkeypatch):
     on_tpu = backend == "tpu" and lazy_kernel._PALLAS_TPU and JAX_VERSION >= (0, 8)
     assert fused(make(0.9)) == fused(make(0.9), 256) == on_tpu
     assert not fused(make(0.9), dim - 1) and not fused(make(0.9), dtype=jnp.float64)
-    assert not fused(RBF(jnp.linspace(0.5, 1.5, dim, dtype=jnp.float32)))  # a step per feature
+    assert fused(RBF(jnp.linspace(0.5, 1.5, dim, dtype=jnp.float32))) == on_tpu  # a step per feature
     assert not fused(functools.partial(scaled_laplace, scale=1.3))  # no d^2
     use_settings(monkeypatch, fused_product=False)
     assert not fused(make(0.9))
@@ -3208,6 +3208,28 @@ def test_fused_products_as_accurate_as_the_vmap_form(name, dim, monkeypatch, dev
     assert fused  # Matern 1/2's too: the rule then sends every product to the unfused form
     weights = rng.normal(size=(24, 20))
     assert_as_accurate_as_the_vmap_form(name, accuracy_data(rng, dim, ls), ls, jnp.float32, True, weights)
+
+
+@FUSED_ON_CPU
+@ON_ACCELERATORS
+@pytest.mark.parametrize(
+    "name",
+    ["rbf-module", "rbf-pair-scaling-points", *(pytest.param(n, marks=SLOW) for n in ("gpjax-RBF", "gpjax-Matern52"))],
+)
+def test_fused_products_with_a_lengthscale_per_feature(name, monkeypatch, device):
+    """Lengthscales per feature over three decades, fused on a TPU (faked): each feature's step is taken into the
+    grid's points (their product, exact in float64). The oracle test's values and gradients (the unfused form's
+    vjp) within the contract; the data near the lengthscales fused, the farthest sent to the unfused form."""
+    if device.platform != "tpu":
+        plan_for(monkeypatch, "tpu")
+    dim, ls = 16, np.geomspace(0.1, 100, 16)
+    make = ACCURACY_KERNELS[name][0]
+    assert isinstance(lazy_kernel.block_plan(make(jnp.asarray(ls, jnp.float32)), dim).product, lazy_kernel.FusedProduct)
+    taken = branches_taken(monkeypatch)
+    rng = np.random.default_rng(dim)
+    data = accuracy_data(rng, dim, ls)
+    assert_as_accurate_as_the_vmap_form(name, data, ls, jnp.float32, True, rng.normal(size=(24, 20)))
+    assert taken["product"] >= {0, 2}, taken  # 3 digits, and the unfused form
 
 
 # -- the sanity check -----------------------------------------------------------
