@@ -2380,8 +2380,8 @@ _LAYERS.append(_measured_blocks_plan)
 # Which kernels, D and chips the form takes is the plan's (_fused_refuses); which digits, the data's.
 #
 # A step per feature (lengthscales per feature) is taken into the points: the grid is that of s_d x_d, each
-# product of two float32 values exact in float64, and the rule's s is 1 (R that of the scaled points). Its
-# derivatives are all the unfused form's.
+# product of two float32 values exact in float64, and the rule's s is 1 (R that of the scaled points). The fused
+# backward scales the points' cotangents by s_d^2 after, and sums C tail' (x_d - y_d)^2 per feature for s_d^2's.
 #
 # Derivatives: the product is a primitive of its own (_fused_primitives). Forward mode, and anything of second
 # order, is the unfused form's. Reverse mode of K @ v (one operand column) runs a second Pallas kernel per block
@@ -2465,8 +2465,7 @@ class FusedProduct:
         fusion = _fusion(lambda x, y: pair(x, y, *consts), *probe, transposed, plan.block)
         if isinstance(fusion, str):
             return rows_times
-        per_feature = jnp.ndim(fusion.step) == 1  # its step in the grid; its gradients by rows_times' vjp
-        fused_backward = fused_backward and not per_feature
+        per_feature = jnp.ndim(fusion.step) == 1  # its step in the grid's points
         grid = _grid(x1, x2, fusion.step if per_feature else None)
         verdicts = _verdicts(grid, fusion, dim, self)
         tile_cols, columns = _tile(n, self.tiles.cols, 128)
@@ -2495,7 +2494,10 @@ class FusedProduct:
             ]
             backward = _FusedBackward(tuple(back), scalars, fallback, tuple(d for d, _, _ in self.packings))
             backward_vouched = tuple(v.vouched for v in _verdicts(grid, fusion, dim, self, derivative=True))
-            moves = tuple(_grid_moves(points, v.grid, d) for (d, _, _), v in zip(self.packings, verdicts, strict=True))
+            moves = tuple(
+                None if per_feature else _grid_moves(points, v.grid, d)
+                for (d, _, _), v in zip(self.packings, verdicts, strict=True)
+            )
         given = _FusedOperands(tuple(packed), _fused_operand(rhs, columns), verdicts, points, backward_vouched, moves)
         return lambda rows: _fused_or_fallback((kernels, backward), fallback, given, rows, x2, rhs, *consts)
 
@@ -2878,13 +2880,15 @@ def _fused_kernel(
         out_ref[...] += sum(dot(p.astype(jnp.bfloat16), x[...]) for p, x in zip(pieces, operand_refs, strict=True))
 
 
-def _fused_backward_kernel(tail, chunks, variant, squares, scalars_ref, *refs):
+def _fused_backward_kernel(tail, chunks, variant, squares, per_feature, scalars_ref, *refs):
     """One tile of a block's cotangents, for ``K @ v`` with cotangent ct: d^2 exactly as the product has it, K
     and C tail'(d^2) (C = ct_i v_j) by the tail's own derivative; then per feature, the differences pair by pair
     (no cancellation): row sums of A (x_i - y_j) into g1, column sums of -A (x_i - y_j) into g2, A = 2 s^2 C tail';
     column sums of ct K into gv; and into gs the tile's sums of C dtail/dc for each constant c of the tail, after
     three for the cotangent of s^2: with ``squares``, of C tail' |x - y|^2 (the differences' squares, as the vmap
-    form has it); else of C tail' d^2, |C tail'| and |C tail'| d^2 on the grid (see _fused_cotangents)."""
+    form has it); else of C tail' d^2, |C tail'| and |C tail'| d^2 on the grid (see _fused_cotangents). With
+    ``per_feature`` (a step per feature, in the grid's points; s^2 is then 1), instead of the three, D: for each
+    feature C tail' (x_d - y_d)^2."""
     rows_ref, row_norms_ref, cols_ref, col_norms_ref, x_ref, yt_ref, ct_ref, v_ref, *out_refs = refs
     g1_ref, g2_ref, gv_ref, gs_ref = out_refs
     at = _Scalars(chunks[-1].level + 1, len(tail.constvars))
@@ -2901,10 +2905,12 @@ def _fused_backward_kernel(tail, chunks, variant, squares, scalars_ref, *refs):
         g1_ref[...] = jnp.zeros_like(g1_ref)
 
     gv_ref[...] = jnp.sum(ct_ref[...] * k, 0, keepdims=True)[None]
-    columns, summed = [], 0.0
+    columns, summed, by_feature = [], 0.0, []
     for feature in range(x_ref.shape[1]):
         difference = x_ref[:, feature : feature + 1] - yt_ref[feature : feature + 1, :]
         summed = summed + difference * difference if squares else summed
+        if per_feature:
+            by_feature.append(jnp.sum(by_d2 * (difference * difference)))
         products = a * difference
         lanes = products[:, :128]
         for lane in range(128, products.shape[1], 128):
@@ -2912,12 +2918,15 @@ def _fused_backward_kernel(tail, chunks, variant, squares, scalars_ref, *refs):
         g1_ref[:, feature : feature + 1] += jnp.sum(lanes, 1, keepdims=True)
         columns.append(-jnp.sum(products, 0, keepdims=True))
     g2_ref[...] = jnp.concatenate(columns, 0)[None]
-    weights = jnp.abs(by_d2)
-    by_s2 = (
-        [jnp.sum(by_d2 * summed), 0.0, 0.0]
-        if squares
-        else [jnp.sum(by_d2 * d2), jnp.sum(weights), jnp.sum(weights * d2)]
-    )
+    if per_feature:
+        by_s2 = by_feature
+    else:
+        weights = jnp.abs(by_d2)
+        by_s2 = (
+            [jnp.sum(by_d2 * summed), 0.0, 0.0]
+            if squares
+            else [jnp.sum(by_d2 * d2), jnp.sum(weights), jnp.sum(weights * d2)]
+        )
     sums = [*by_s2, *(jnp.sum(c) for c in by_consts)]
     gs_ref[...] = jnp.concatenate([jnp.broadcast_to(total, (1, 128)) for total in sums], 1)[None, None]
 
@@ -2993,7 +3002,7 @@ def _fused_product(rows, cols, operand, verdict, tail, form, digits):
     return out[:, :width] + out[:, width : 2 * width] + out[:, 2 * width :]
 
 
-def _fused_backward(rows, cols, points, operand, ct, verdict, s2, tail, form, digits, squares=False):
+def _fused_backward(rows, cols, points, operand, ct, verdict, s2, tail, form, digits, squares=False, per_feature=False):
     """The cotangents of one block's ``K @ v`` (v one column), by the Pallas kernel on ``digits`` digits: of the
     rows [b, D] and of the columns' ``points`` [N', D] (padded as the packed columns ``cols`` are), of v, the
     kernel's three sums for s^2 (``squares`` as _fused_backward_kernel's) and its sums of C dtail/dc
@@ -3006,7 +3015,8 @@ def _fused_backward(rows, cols, points, operand, ct, verdict, s2, tail, form, di
     x = _padded(rows, padded)
     packed, row_norms = _packed(_digits(x, verdict.grid, digits), chunks, variant, left=True)
     ct = jnp.pad(ct.astype(jnp.float32), ((0, padded - b), (0, 0)))
-    sums = 3 + len(tail.constvars)
+    by_s2 = dim if per_feature else 3  # the sums for s^2's cotangent
+    sums = by_s2 + len(tail.constvars)
     inputs = [
         (jnp.concatenate([verdict.scalars, jnp.stack([s2])]), _in_smem()),
         (packed, _by_row((tile_rows, packed.shape[1]))),
@@ -3019,7 +3029,7 @@ def _fused_backward(rows, cols, points, operand, ct, verdict, s2, tail, form, di
         (operand[0], _by_col((1, tile_cols))),
     ]
     g1, g2, gv, gs = _tiled_call(
-        functools.partial(_fused_backward_kernel, tail, chunks, variant, squares),
+        functools.partial(_fused_backward_kernel, tail, chunks, variant, squares, per_feature),
         tiles,
         inputs,
         [
@@ -3037,7 +3047,7 @@ def _fused_backward(rows, cols, points, operand, ct, verdict, s2, tail, form, di
         form,
     )
     totals = jnp.sum(gs.reshape(-1, sums, 128)[:, :, 0], 0)
-    return g1[:b], g2.sum(0).T, gv.sum((0, 1))[:, None], totals[:3], totals[3:]
+    return g1[:b], g2.sum(0).T, gv.sum((0, 1))[:, None], totals[:by_s2], totals[by_s2:]
 
 
 def _sensitivity(tail, derivative=False):
@@ -3145,12 +3155,19 @@ def _fused_cotangents(backward, given, ct, rows, cols, rhs, *consts):
     |x - y|^2 = |x~ - y~|^2 + 2 (x - y).(e_x - e_y) - |e_x - e_y|^2. The middle term's sum is the moves against the
     points' cotangents; the last is at most D h^2 a pair. Where that bound is over 4 eps of sum |C tail'| d^2 (a
     quarter of the contract's 16), as for pairs nearer than the grid's step, the differences' squares are summed
-    instead, in a second pass."""
+    instead, in a second pass. A step per feature takes the squares' sums per feature, in one pass."""
     n = cols.shape[0]
     (s2, tail_consts), by_scalars = jax.vjp(backward.scalars, *consts)
     eps = float(jnp.finfo(jnp.float32).eps)
 
     def fused(back, digits, cols_packed, verdict, col_moves):
+        if jnp.ndim(s2):  # a step per feature, in the grid's points: the points' cotangents scaled after
+            one = jnp.ones((), s2.dtype)
+            ct_rows, ct_cols, ct_rhs, by_s2, by_tail = back(
+                rows, cols_packed, given.points, given.operand, ct, verdict, one, per_feature=True
+            )
+            ct_consts = by_scalars((by_s2, list(by_tail[: len(tail_consts)])))
+            return (ct_rows * s2, (ct_cols * s2)[:n], ct_rhs[:n], *ct_consts)
         ct_rows, ct_cols, ct_rhs, (on_grid, weights, weighted), by_tail = back(
             rows, cols_packed, given.points, given.operand, ct, verdict, s2
         )

@@ -2828,6 +2828,27 @@ def test_fused_gradients_as_accurate_as_the_vmap_form(name, dim, monkeypatch):
     assert_fused_gradients_as_accurate(name, data, ls, rng)
 
 
+@FUSED_ON_CPU
+@pytest.mark.parametrize("name", ["rbf-module", pytest.param("gpjax-Matern52", marks=SLOW)])
+def test_fused_gradients_with_a_lengthscale_per_feature(name, monkeypatch):
+    """The test above with lengthscales per feature over three decades (D = 16): the gradient in each lengthscale
+    (the squares' sums per feature), the points and v by the fused backward, within the contract."""
+    plan_for(monkeypatch, "tpu")
+    dim, ls = 16, np.geomspace(0.1, 100, 16).astype(np.float32)
+    rng = np.random.default_rng(dim)
+    base = rng.normal(size=(160, dim)) * ls
+    data = {
+        "normal": base,
+        "1000 out": base + 1000 * ls,
+        "near-duplicates": np.concatenate([base[:80], base[:80] + rng.normal(size=(80, dim)) * 1e-3 * ls]),
+        "cluster": base * 1e-3,
+        "spread 8": base * 8,
+    }
+    taken = branches_taken(monkeypatch)
+    assert_fused_gradients_as_accurate(name, data, ls, rng)
+    assert taken["backward"] == {0, 1}, taken  # 3 digits, and 4 (spread 8)
+
+
 def fused_family(name):
     """The pullback_oracle family of a kernel of FUSED_KERNELS."""
     return {"gpjax-Matern32": "matern32", "gpjax-Matern52": "matern52"}.get(name, "rbf")
@@ -2854,8 +2875,9 @@ def assert_fused_gradients_as_accurate(name, data, ls, rng, batch_size=64):
         x1 = np.asarray(x, np.float32)
         x2 = x1[40:]
         v = np.asarray(rng.uniform(-0.25, 1, size=len(x2)), np.float32)
-        args = (jnp.float32(ls), jnp.asarray(x1), jnp.asarray(x2), jnp.asarray(v))
-        assert len(pallas_calls(jax.make_jaxpr(gradients[0])(*args).jaxpr)) == 3 * len(DEFAULTS.digit_counts)
+        args = (jnp.asarray(ls, jnp.float32), jnp.asarray(x1), jnp.asarray(x2), jnp.asarray(v))
+        passes = 2 if np.ndim(ls) else 3  # product, backward, and for one step its second pass
+        assert len(pallas_calls(jax.make_jaxpr(gradients[0])(*args).jaxpr)) == passes * len(DEFAULTS.digit_counts)
         with as_users_compile():
             fused, vmapped = (gradient(*args) for gradient in compiled)
         assert_gradients_within_contract(fused, vmapped, x1, x2, v, ls, fused_family(name))
