@@ -2051,6 +2051,7 @@ def test_gemm_repairs_two_pairs_per_row(backend, monkeypatch):
     GEMM first); on an accelerator (faked) float32."""
     dtype = jnp.float64 if backend == "cpu" else jnp.float32
     plan_for(monkeypatch, backend)
+    use_settings(monkeypatch, fused_product=False)  # the pair program's GEMM, not a TPU's fused product
     monkeypatch.setattr(lazy_kernel, "_feature_sum", lambda size, feature, *_: jnp.full_like(feature(0), jnp.nan))
     dim = DEFAULTS.gemm_features_min
     rng = np.random.default_rng(11)
