@@ -3498,25 +3498,31 @@ class RBFByVmap(RBF):
 
 def linear_loss_oracle(x1, x2, ls, variance, v, w, wide):
     """NumPy float64, without [M, N, D] arrays: K @ v, K @ wide, w @ K and the gradient of w.(K @ v) in (ls, x1, x2,
-    v) for RBF(ls, variance), each with its scale (the largest sum of its terms' magnitudes)."""
-    x1, x2, v, w, wide = (np.asarray(a, np.float64) for a in (x1, x2, v, w, wide))
+    v) for RBF(ls, variance), ls one or per feature, each with its scale (the largest sum of its terms'
+    magnitudes)."""
+    x1, x2, v, w, wide, ls = (np.asarray(a, np.float64) for a in (x1, x2, v, w, wide, ls))
     middle = x1.mean(0)
-    a, b = x1 - middle, x2 - middle  # d^2 by a float64 GEMM on centred points: within D eps64 of their squares
-    d2 = np.maximum((a * a).sum(1)[:, None] + (b * b).sum(1)[None] - 2 * a @ b.T, 0) / ls**2
+    a, b = (x1 - middle) / ls, (x2 - middle) / ls  # d^2 by a float64 GEMM on centred, scaled points
+    d2 = np.maximum((a * a).sum(1)[:, None] + (b * b).sum(1)[None] - 2 * a @ b.T, 0)
     k = variance * np.exp(-0.5 * d2)
     c, c_abs = np.outer(w, v) * k, np.outer(np.abs(w), np.abs(v)) * k  # K's cotangent times dK/dz's -2 factor
+
+    def by_ls(c):  # sum_ij c_ij (a_i - b_j)^2 / ls, per feature (summed for one lengthscale)
+        per_feature = c.sum(1) @ (a * a) + c.sum(0) @ (b * b) - 2 * np.sum(a * (c @ b), 0)
+        return (per_feature if ls.ndim else per_feature.sum()) / ls
+
     return {
         "K @ v": (k @ v, np.max(k @ np.abs(v))),
         "K @ X": (k @ wide, np.max(k @ np.abs(wide))),
         "w @ K": (w @ k, np.max(np.abs(w) @ k)),
-        "lengthscale": ((c * d2).sum() / ls, (c_abs * d2).sum() / ls),
+        "lengthscale": (by_ls(c), np.max(by_ls(c_abs))),
         "x1": (
-            (c @ b - c.sum(1)[:, None] * a) / ls**2,
-            np.max(c_abs @ np.abs(b) + c_abs.sum(1)[:, None] * np.abs(a)) / ls**2,
+            (c @ b - c.sum(1)[:, None] * a) / ls,
+            np.max((c_abs @ np.abs(b) + c_abs.sum(1)[:, None] * np.abs(a)) / ls),
         ),
         "x2": (
-            (c.T @ a - c.sum(0)[:, None] * b) / ls**2,
-            np.max(c_abs.T @ np.abs(a) + c_abs.sum(0)[:, None] * np.abs(b)) / ls**2,
+            (c.T @ a - c.sum(0)[:, None] * b) / ls,
+            np.max((c_abs.T @ np.abs(a) + c_abs.sum(0)[:, None] * np.abs(b)) / ls),
         ),
         "v": (k.T @ w, np.max(np.abs(w) @ k)),
     }
@@ -3524,21 +3530,28 @@ def linear_loss_oracle(x1, x2, ls, variance, v, w, wide):
 
 @AT_SCALE
 @pytest.mark.parametrize(
-    "dim, digits, offset, n",
-    [(64, 4, 1000.0, 16384), (128, 3, 0.0, 16384), (256, 4, 1000.0, 8192)],
+    "dim, digits, offset, n, per_feature",
+    [
+        (64, 4, 1000.0, 16384, False),
+        (128, 3, 0.0, 16384, False),
+        (256, 4, 1000.0, 8192, False),
+        (16, 3, 0.0, 16384, True),
+    ],
 )
-def test_fused_form_at_scale(dim, digits, offset, n, device, monkeypatch):
+def test_fused_form_at_scale(dim, digits, offset, n, per_feature, device, monkeypatch):
     """On the chip, full size, x1 != x2: the fused form of ``digits`` digits (bf16 digits to D = 64, int8 from 128),
     K @ v, K @ X, w @ K and the checkpointed gradient of w.(K @ v) in the lengthscale, x1, x2 and v against NumPy
     float64, within 4x the vmap form's error plus 16 eps of the scale. Points spread about the lengthscale, a few
     10 lengthscales out where 4 digits are wanted (the grid spans the farthest), ``offset`` lengthscales from the
-    origin. Blocks of 2048 rows: test_budget_bounds_the_peak_at_scale measures blocks at full size."""
+    origin; ``per_feature``, lengthscales over three decades, the points spread as much about each. Blocks of 2048
+    rows: test_budget_bounds_the_peak_at_scale measures blocks at full size."""
     if device.platform != "tpu":
         pytest.skip(ON_A_CHIP)
     taken = branches_taken(monkeypatch)
     rng = np.random.default_rng(dim + digits)
-    ls, variance = np.float32(np.sqrt(dim)), np.float32(1.3)
-    x1, x2 = (rng.normal(size=(size, dim)) for size in (n, n - n // 4))
+    spread = np.geomspace(0.1, 100, dim) if per_feature else 1.0
+    ls, variance = np.asarray(np.sqrt(dim) * spread, np.float32), np.float32(1.3)
+    x1, x2 = (rng.normal(size=(size, dim)) * spread for size in (n, n - n // 4))
     if digits == 4:
         x1[:8, 0] += 10 * np.sqrt(dim)
     x1, x2 = (np.asarray(x + offset * ls, np.float32) for x in (x1, x2))
