@@ -16,6 +16,7 @@
     python bench_lazy_kernel.py --accelerator-features 32768  # off the CPU: features written out against vmap
     python bench_lazy_kernel.py --fused 32768    # off the CPU: fused products (one lengthscale) by D
     python bench_lazy_kernel.py --fused-gradient 16384  # off the CPU: their checkpointed gradients by D
+        (either with --per-feature: a lengthscale per feature; --dims 16,64: those D only)
     python bench_lazy_kernel.py                  # all ten at those sizes (not the accelerator tables)
 
 The fields of lazy_kernel.SETTINGS, and what these modes measured for them:
@@ -49,6 +50,7 @@ machine; compare ratios within one run.
 """
 
 import argparse
+import concurrent.futures
 import functools
 import os
 import platform
@@ -63,8 +65,11 @@ from lazy_kernel import RBF, LazyKernel
 
 
 def median_times(functions, args, budget_s=20.0):
-    """Median seconds of each jitted function on ``args``, run round-robin (3 to 9 rounds)."""
-    compiled = [jax.jit(f).lower(*args).compile() for f in functions]
+    """Median seconds of each jitted function on ``args``, run round-robin (3 to 9 rounds). Traced one at a time
+    (tracing may change ``lazy_kernel.SETTINGS``), compiled in parallel."""
+    lowered = [jax.jit(f).lower(*args) for f in functions]
+    with concurrent.futures.ThreadPoolExecutor() as pool:
+        compiled = list(pool.map(lambda program: program.compile(), lowered))
     for f in compiled:
         jax.block_until_ready(f(*args))
     times = [[] for _ in compiled]
@@ -654,26 +659,44 @@ def accelerator_features_table(n, gpjax):
             print(f"| {dim} | {kernel} | {written} | {vmapped} |", flush=True)
 
 
-def fused_table(n, gpjax, dims=(3, 16, 32, 64, 128, 256)):
-    """Off the CPU: products with one scalar lengthscale, which a TPU fuses from fused_features_min, against the
-    same RBF with fused_product off and the inexact GEMM RBF, by D."""
-    print(f"\n## Fused products, lengthscale sqrt(D / 3), float32, M = N = {n}: K @ v, K @ X (16 columns)")
+def fused_kinds(gpjax):
+    """Kernels of |x - y|^2 a TPU fuses, made from a lengthscale (or one per feature), each with the switches it is
+    traced under: name -> (make, switches). The inexact GEMM RBF first: the tables divide by it."""
+    kinds = {
+        "inexact GEMM RBF": (GemmRBF, {}),
+        "lazy_kernel.RBF": (lambda ls: RBF(ls, jnp.float32(1.3)), {}),
+        "RBF, fused_product off": (lambda ls: RBF(ls, jnp.float32(1.3)), {"fused_product": False}),
+        "pair: x / ls - y / ls": (lambda ls: lambda x, y: 1.3 * jnp.exp(-0.5 * jnp.sum((x / ls - y / ls) ** 2)), {}),
+    }
+    if gpjax is not None:
+        kinds["GPJax RBF"] = (lambda ls: gpjax.kernels.RBF(lengthscale=ls, variance=1.3), {})
+        kinds["GPJax Matern52"] = (lambda ls: gpjax.kernels.Matern52(lengthscale=ls, variance=1.3), {})
+    return kinds
+
+
+def fused_lengthscale(dim, per_feature):
+    return lengthscales(dim) if per_feature else jnp.float32(np.sqrt(dim / 3))
+
+
+def fused_table(n, gpjax, per_feature=False, dims=(3, 16, 32, 64, 128, 256)):
+    """Off the CPU: products of kernels a TPU fuses from fused_features_min, with one lengthscale or one per feature,
+    against the same RBF with fused_product off and the inexact GEMM RBF, by D."""
+    scale = "lengthscales 0.5 to 1.5 times sqrt(D / 3)" if per_feature else "lengthscale sqrt(D / 3)"
+    print(f"\n## Fused products, {scale}, float32, M = N = {n}: K @ v, K @ X (16 columns)")
     print("## in ms, ratios to the inexact GEMM RBF in the same run\n")
-    names = ["inexact GEMM RBF", "lazy_kernel.RBF", "RBF, fused_product off"] + ["GPJax RBF"] * (gpjax is not None)
-    print(f"| D | {' | '.join(names)} |")
-    print("|---" * (len(names) + 1) + "|")
+    kinds = fused_kinds(gpjax)
+    print(f"| D | {' | '.join(kinds)} |")
+    print("|---" * (len(kinds) + 1) + "|")
     for dim in dims:
         rng = np.random.default_rng(0)
         x = jnp.asarray(rng.normal(size=(n, dim)), jnp.float32)
         v, wide = jnp.asarray(rng.normal(size=n), jnp.float32), jnp.asarray(rng.normal(size=(n, 16)), jnp.float32)
-        ls = jnp.float32(np.sqrt(dim / 3))
-        product = lambda kernel: lambda points, rhs: LazyKernel(kernel, points, points) @ rhs  # noqa: E731
-        made = [GemmRBF(ls), RBF(ls, jnp.float32(1.3))]
-        if gpjax is not None:
-            made.append(gpjax.kernels.RBF(lengthscale=ls, variance=jnp.float32(1.3)))
-        functions = [product(k) for k in made]
-        functions.insert(2, traced_with(product(made[1]), fused_product=False))
-        by_v, by_wide = (median_times(functions, (x, operand)) for operand in (v, wide))
+        functions = [
+            traced_with(lambda ls, points, rhs, make=make: LazyKernel(make(ls), points, points) @ rhs, **switches)
+            for make, switches in kinds.values()
+        ]
+        ls = fused_lengthscale(dim, per_feature)
+        by_v, by_wide = (median_times(functions, (ls, x, operand)) for operand in (v, wide))
         cells = [
             f"{a * 1e3:.1f}, {b * 1e3:.1f} ({a / by_v[0]:.2f}, {b / by_wide[0]:.2f})"
             for a, b in zip(by_v, by_wide, strict=True)
@@ -681,23 +704,20 @@ def fused_table(n, gpjax, dims=(3, 16, 32, 64, 128, 256)):
         print(f"| {dim} | {' | '.join(cells)} |", flush=True)
 
 
-def fused_gradient_table(n, gpjax):
-    """Off the CPU: the checkpointed gradient of sum(sin(K @ v)) in (lengthscale, points, v) at one scalar
-    lengthscale, fused where the fused layer takes it, against the same RBF with fused_product off and the GEMM RBF,
-    by D."""
-    print(f"\n## Fused gradients , lengthscale sqrt(D / 3), float32, M = N = {n}: ms, ratios to the GEMM's\n")
-    names = ["inexact GEMM RBF", "lazy_kernel.RBF", "RBF, fused_product off"] + ["GPJax Matern52"] * (gpjax is not None)
-    print(f"| D | {' | '.join(names)} |")
-    print("|---" * (len(names) + 1) + "|")
-    for dim in (16, 32, 64, 128, 256):
+def fused_gradient_table(n, gpjax, per_feature=False, dims=(16, 32, 64, 128, 256)):
+    """Off the CPU: the checkpointed gradient of sum(sin(K @ v)) in (lengthscales, points, v), fused where the
+    fused layer takes it, against the same RBF with fused_product off and the GEMM RBF, by D."""
+    scale = "lengthscales 0.5 to 1.5 times sqrt(D / 3)" if per_feature else "lengthscale sqrt(D / 3)"
+    print(f"\n## Fused gradients, {scale}, float32, M = N = {n}: ms, ratios to the GEMM's\n")
+    kinds = fused_kinds(gpjax)
+    print(f"| D | {' | '.join(kinds)} |")
+    print("|---" * (len(kinds) + 1) + "|")
+    for dim in dims:
         rng = np.random.default_rng(0)
         x, v = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((n, dim), n))
-        makes = [GemmRBF, lambda ls: RBF(ls, jnp.float32(1.3))]
-        if gpjax is not None:
-            makes.append(lambda ls: gpjax.kernels.Matern52(lengthscale=ls, variance=jnp.float32(1.3)))
-        functions = gradients(makes)
-        functions.insert(2, traced_with(functions[1], fused_product=False))
-        seconds = median_times(functions, (jnp.float32(np.sqrt(dim / 3)), x, v))
+        makes, switches = zip(*kinds.values(), strict=True)
+        functions = [traced_with(g, **s) for g, s in zip(gradients(makes), switches, strict=True)]
+        seconds = median_times(functions, (fused_lengthscale(dim, per_feature), x, v))
         print(f"| {dim} | {' | '.join(f'{t * 1e3:.1f} ({t / seconds[0]:.2f})' for t in seconds)} |", flush=True)
 
 
@@ -745,6 +765,8 @@ def main():
     parser.add_argument("--accelerator-features", type=int, metavar="N")
     parser.add_argument("--fused", type=int, metavar="N")
     parser.add_argument("--fused-gradient", type=int, metavar="N")
+    parser.add_argument("--per-feature", action="store_true", help="--fused, --fused-gradient: ls per feature")
+    parser.add_argument("--dims", help="--fused, --fused-gradient: these D, comma-separated")
     args = parser.parse_args()
     if not any(vars(args).values()):
         vars(args).update(CPU_TABLES)
@@ -782,10 +804,11 @@ def main():
         accelerator_blocks_table(args.accelerator_blocks)
     if args.accelerator_features:
         accelerator_features_table(args.accelerator_features, gpjax)
+    dims = {"dims": tuple(int(d) for d in args.dims.split(","))} if args.dims else {}
     if args.fused:
-        fused_table(args.fused, gpjax)
+        fused_table(args.fused, gpjax, args.per_feature, **dims)
     if args.fused_gradient:
-        fused_gradient_table(args.fused_gradient, gpjax)
+        fused_gradient_table(args.fused_gradient, gpjax, args.per_feature, **dims)
 
 
 if __name__ == "__main__":
