@@ -16,7 +16,7 @@
     python bench_lazy_kernel.py --accelerator-features 32768  # off the CPU: features written out against vmap
     python bench_lazy_kernel.py --fused 32768    # off the CPU: fused products (one lengthscale) by D
     python bench_lazy_kernel.py --fused-gradient 16384  # off the CPU: their checkpointed gradients by D
-        (either with --per-feature: a lengthscale per feature; --dims 16,64: those D only)
+        (either with --per-feature: a lengthscale per feature; --dims 16,64: those D; --only RBF,Matern: those kernels)
     python bench_lazy_kernel.py                  # all ten at those sizes (not the accelerator tables)
 
 The fields of lazy_kernel.SETTINGS, and what these modes measured for them:
@@ -659,9 +659,10 @@ def accelerator_features_table(n, gpjax):
             print(f"| {dim} | {kernel} | {written} | {vmapped} |", flush=True)
 
 
-def fused_kinds(gpjax):
+def fused_kinds(gpjax, only=None):
     """Kernels of |x - y|^2 a TPU fuses, made from a lengthscale (or one per feature), each with the switches it is
-    traced under: name -> (make, switches). The inexact GEMM RBF first: the tables divide by it."""
+    traced under: name -> (make, switches); ``only``: those whose names contain one of its strings. The inexact GEMM
+    RBF first, always: the tables divide by it."""
     kinds = {
         "inexact GEMM RBF": (GemmRBF, {}),
         "lazy_kernel.RBF": (lambda ls: RBF(ls, jnp.float32(1.3)), {}),
@@ -671,20 +672,21 @@ def fused_kinds(gpjax):
     if gpjax is not None:
         kinds["GPJax RBF"] = (lambda ls: gpjax.kernels.RBF(lengthscale=ls, variance=1.3), {})
         kinds["GPJax Matern52"] = (lambda ls: gpjax.kernels.Matern52(lengthscale=ls, variance=1.3), {})
-    return kinds
+    reference = next(iter(kinds))
+    return {k: v for k, v in kinds.items() if k == reference or only is None or any(s in k for s in only)}
 
 
 def fused_lengthscale(dim, per_feature):
     return lengthscales(dim) if per_feature else jnp.float32(np.sqrt(dim / 3))
 
 
-def fused_table(n, gpjax, per_feature=False, dims=(3, 16, 32, 64, 128, 256)):
+def fused_table(n, gpjax, per_feature=False, only=None, dims=(3, 16, 32, 64, 128, 256)):
     """Off the CPU: products of kernels a TPU fuses from fused_features_min, with one lengthscale or one per feature,
     against the same RBF with fused_product off and the inexact GEMM RBF, by D."""
     scale = "lengthscales 0.5 to 1.5 times sqrt(D / 3)" if per_feature else "lengthscale sqrt(D / 3)"
     print(f"\n## Fused products, {scale}, float32, M = N = {n}: K @ v, K @ X (16 columns)")
     print("## in ms, ratios to the inexact GEMM RBF in the same run\n")
-    kinds = fused_kinds(gpjax)
+    kinds = fused_kinds(gpjax, only)
     print(f"| D | {' | '.join(kinds)} |")
     print("|---" * (len(kinds) + 1) + "|")
     for dim in dims:
@@ -704,12 +706,12 @@ def fused_table(n, gpjax, per_feature=False, dims=(3, 16, 32, 64, 128, 256)):
         print(f"| {dim} | {' | '.join(cells)} |", flush=True)
 
 
-def fused_gradient_table(n, gpjax, per_feature=False, dims=(16, 32, 64, 128, 256)):
+def fused_gradient_table(n, gpjax, per_feature=False, only=None, dims=(16, 32, 64, 128, 256)):
     """Off the CPU: the checkpointed gradient of sum(sin(K @ v)) in (lengthscales, points, v), fused where the
     fused layer takes it, against the same RBF with fused_product off and the GEMM RBF, by D."""
     scale = "lengthscales 0.5 to 1.5 times sqrt(D / 3)" if per_feature else "lengthscale sqrt(D / 3)"
     print(f"\n## Fused gradients, {scale}, float32, M = N = {n}: ms, ratios to the GEMM's\n")
-    kinds = fused_kinds(gpjax)
+    kinds = fused_kinds(gpjax, only)
     print(f"| D | {' | '.join(kinds)} |")
     print("|---" * (len(kinds) + 1) + "|")
     for dim in dims:
@@ -767,6 +769,7 @@ def main():
     parser.add_argument("--fused-gradient", type=int, metavar="N")
     parser.add_argument("--per-feature", action="store_true", help="--fused, --fused-gradient: ls per feature")
     parser.add_argument("--dims", help="--fused, --fused-gradient: these D, comma-separated")
+    parser.add_argument("--only", help="--fused, --fused-gradient: kernels whose names contain one of these")
     args = parser.parse_args()
     if not any(vars(args).values()):
         vars(args).update(CPU_TABLES)
@@ -805,10 +808,11 @@ def main():
     if args.accelerator_features:
         accelerator_features_table(args.accelerator_features, gpjax)
     dims = {"dims": tuple(int(d) for d in args.dims.split(","))} if args.dims else {}
+    only = args.only.split(",") if args.only else None
     if args.fused:
-        fused_table(args.fused, gpjax, args.per_feature, **dims)
+        fused_table(args.fused, gpjax, args.per_feature, only, **dims)
     if args.fused_gradient:
-        fused_gradient_table(args.fused_gradient, gpjax, args.per_feature, **dims)
+        fused_gradient_table(args.fused_gradient, gpjax, args.per_feature, only, **dims)
 
 
 if __name__ == "__main__":

@@ -2390,7 +2390,8 @@ _LAYERS.append(_measured_blocks_plan)
 # (nothing cancels). The cotangent of s^2, sum C tail' |x - y|^2, is the grid's d^2 corrected by the grid's moves
 # against the points' cotangents; where pairs nearer than the grid's step carry its weight, a second pass sums the
 # differences' squares (_fused_cotangents). It runs where the rule vouches with lambda bounding |tail'' / tail'|
-# too, up to D = fused_backward_features_max; elsewhere, and for wider operands, the unfused form's vjp.
+# too, up to D = fused_backward_features_max (fused_per_feature_backward_features_max for a step per feature);
+# elsewhere, and for wider operands, the unfused form's vjp.
 
 try:  # bound once, as JAX's Pallas TPU kernels bind them
     from jax.experimental import pallas as pl
@@ -2419,6 +2420,7 @@ class Settings(Settings):
     fused_features_min: int = 16  # on a TPU, the fused product from here (bench --fused)
     fused_width_max: int = 64  # operand columns the fused product takes; a wider operand gets the unfused form
     fused_backward_features_max: int = 64  # the fused backward to here, the unfused vjp above (its work grows with D)
+    fused_per_feature_backward_features_max: int = 16  # the same with a step per feature (its D sums more)
     fused_int8_features_min: int = 128  # digits in int8 from here (half bf16's matrix-unit time, more vector work)
     digit_counts: tuple[int, ...] = (3, 4)  # signed 8-bit digits per coordinate: the fewest the rule vouches for
     fused_tiles: FusedTiles = FusedTiles()
@@ -2442,6 +2444,7 @@ class FusedProduct:
     tiles: FusedTiles
     packings: tuple  # (digits, "bf16" or "int8", its _Chunks) for each digit count, fewest first
     backward: bool  # reverse mode of K @ v by the fused backward (D <= fused_backward_features_max)
+    backward_per_feature: bool  # the same with a step per feature (D <= fused_per_feature_backward_features_max)
     width_max: int  # operand columns it takes
     interpret: bool  # the Pallas kernels interpreted (interpret_pallas), else compiled for the chip
 
@@ -2456,7 +2459,6 @@ class FusedProduct:
         ``max_memory_mb`` bounds (where measured blocks cannot fit it, they run without this product)."""
         kernel, transposed, plan = op.kernel, op.transposed, op.plan
         n, width, dim = x2.shape[0], rhs.shape[1], x1.shape[1]
-        fused_backward = width == 1 and self.backward
         if rhs.dtype != jnp.float32 or not (0 < width <= self.width_max and n and x1.shape[0]):
             return rows_times
         example = (x2[0], x1[0]) if transposed else (x1[0], x2[0])
@@ -2466,6 +2468,7 @@ class FusedProduct:
         if isinstance(fusion, str):
             return rows_times
         per_feature = jnp.ndim(fusion.step) == 1  # its step in the grid's points
+        fused_backward = width == 1 and (self.backward_per_feature if per_feature else self.backward)
         grid = _grid(x1, x2, fusion.step if per_feature else None)
         verdicts = _verdicts(grid, fusion, dim, self)
         tile_cols, columns = _tile(n, self.tiles.cols, 128)
@@ -2510,8 +2513,9 @@ def _fused_plan(plan, kernel, dim, dtype):
     settings = SETTINGS
     packings = tuple((digits, *_fused_chunks(dim, digits, settings)) for digits in settings.digit_counts)
     backward = dim <= settings.fused_backward_features_max
+    backward_per_feature = dim <= settings.fused_per_feature_backward_features_max
     tiles, interpret = settings.fused_tiles, settings.interpret_pallas
-    product = FusedProduct(tiles, packings, backward, settings.fused_width_max, interpret=interpret)
+    product = FusedProduct(tiles, packings, backward, backward_per_feature, settings.fused_width_max, interpret)
     return dataclasses.replace(plan, product=product)
 
 
@@ -2888,7 +2892,7 @@ def _fused_backward_kernel(tail, chunks, variant, squares, per_feature, scalars_
     three for the cotangent of s^2: with ``squares``, of C tail' |x - y|^2 (the differences' squares, as the vmap
     form has it); else of C tail' d^2, |C tail'| and |C tail'| d^2 on the grid (see _fused_cotangents). With
     ``per_feature`` (a step per feature, in the grid's points; s^2 is then 1), instead of the three, D: for each
-    feature C tail' (x_d - y_d)^2."""
+    feature C tail' (x_d - y_d)^2, summed over the rows and folded into 128 lanes (no reduction across lanes)."""
     rows_ref, row_norms_ref, cols_ref, col_norms_ref, x_ref, yt_ref, ct_ref, v_ref, *out_refs = refs
     g1_ref, g2_ref, gv_ref, gs_ref = out_refs
     at = _Scalars(chunks[-1].level + 1, len(tail.constvars))
@@ -2910,12 +2914,9 @@ def _fused_backward_kernel(tail, chunks, variant, squares, per_feature, scalars_
         difference = x_ref[:, feature : feature + 1] - yt_ref[feature : feature + 1, :]
         summed = summed + difference * difference if squares else summed
         if per_feature:
-            by_feature.append(jnp.sum(by_d2 * (difference * difference)))
+            by_feature.append(_lane_sums(jnp.sum(by_d2 * (difference * difference), 0, keepdims=True)))
         products = a * difference
-        lanes = products[:, :128]
-        for lane in range(128, products.shape[1], 128):
-            lanes = lanes + products[:, lane : lane + 128]
-        g1_ref[:, feature : feature + 1] += jnp.sum(lanes, 1, keepdims=True)
+        g1_ref[:, feature : feature + 1] += jnp.sum(_lane_sums(products), 1, keepdims=True)
         columns.append(-jnp.sum(products, 0, keepdims=True))
     g2_ref[...] = jnp.concatenate(columns, 0)[None]
     if per_feature:
@@ -2929,6 +2930,14 @@ def _fused_backward_kernel(tail, chunks, variant, squares, per_feature, scalars_
         )
     sums = [*by_s2, *(jnp.sum(c) for c in by_consts)]
     gs_ref[...] = jnp.concatenate([jnp.broadcast_to(total, (1, 128)) for total in sums], 1)[None, None]
+
+
+def _lane_sums(values):
+    """[r, c] values (c a multiple of 128) summed into [r, 128]: lane slices added, no reduction across lanes."""
+    lanes = values[:, :128]
+    for lane in range(128, values.shape[1], 128):
+        lanes = lanes + values[:, lane : lane + 128]
+    return lanes
 
 
 def _tile(count, most, align):
@@ -3046,8 +3055,10 @@ def _fused_backward(rows, cols, points, operand, ct, verdict, s2, tail, form, di
         ],
         form,
     )
-    totals = jnp.sum(gs.reshape(-1, sums, 128)[:, :, 0], 0)
-    return g1[:b], g2.sum(0).T, gv.sum((0, 1))[:, None], totals[:by_s2], totals[by_s2:]
+    by_tile = gs.reshape(-1, sums, 128)
+    totals = jnp.sum(by_tile[:, :, 0], 0)
+    by_s2_totals = jnp.sum(by_tile[:, :by_s2], (0, 2)) if per_feature else totals[:by_s2]  # lanes, or one each
+    return g1[:b], g2.sum(0).T, gv.sum((0, 1))[:, None], by_s2_totals, totals[by_s2:]
 
 
 def _sensitivity(tail, derivative=False):

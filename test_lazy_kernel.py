@@ -2850,6 +2850,20 @@ def test_fused_gradients_with_a_lengthscale_per_feature(name, monkeypatch):
     assert taken["backward"] == {0, 1}, taken  # 3 digits, and 4 (spread 8)
 
 
+@FUSED_ON_CPU
+@pytest.mark.parametrize("dim", [16, 32])
+def test_fused_backward_with_a_step_per_feature_to_its_most_features(dim, monkeypatch):
+    """A step per feature: the gradient's program holds the fused backward's kernels (one per digit count, beside
+    the product's) up to fused_per_feature_backward_features_max features; above, the product's alone (the unfused
+    form's vjp)."""
+    plan_for(monkeypatch, "tpu")
+    op = lambda x: LazyKernel(RBF(jnp.linspace(0.5, 1.5, dim, dtype=jnp.float32)), x, x, batch_size=256)  # noqa: E731
+    x, v = jnp.ones((512, dim), jnp.float32), jnp.ones((512, 1), jnp.float32)
+    calls = pallas_calls(jax.make_jaxpr(jax.grad(lambda x: jnp.sum(op(x) @ v)))(x).jaxpr)
+    backward = dim <= DEFAULTS.fused_per_feature_backward_features_max
+    assert len(calls) == len(DEFAULTS.digit_counts) * (2 if backward else 1), calls
+
+
 def fused_family(name):
     """The pullback_oracle family of a kernel of FUSED_KERNELS."""
     return {"gpjax-Matern32": "matern32", "gpjax-Matern52": "matern52"}.get(name, "rbf")
