@@ -16,7 +16,8 @@
     python bench_lazy_kernel.py --accelerator-features 32768  # off the CPU: features written out against vmap
     python bench_lazy_kernel.py --fused 32768    # off the CPU: fused products (one lengthscale) by D
     python bench_lazy_kernel.py --fused-gradient 16384  # off the CPU: their checkpointed gradients by D
-        (either with --per-feature: a lengthscale per feature; --dims 16,64: those D; --only RBF,Matern: those kernels)
+        (either with --per-feature: a lengthscale per feature; --dims 16,64: those D; --only RBF,Matern: those
+        kernels; --first-use takes --dims and --only too)
     python bench_lazy_kernel.py                  # all ten at those sizes (not the accelerator tables)
 
 The fields of lazy_kernel.SETTINGS, and what these modes measured for them:
@@ -257,7 +258,7 @@ def first_call_seconds(f, *args):
     return time.perf_counter() - begin
 
 
-def first_use_table(n, gpjax, repeats=3):
+def first_use_table(n, gpjax, only=None, dims=(3, 16), repeats=3):
     """The first call of a program whose block is measured against the same program with that block given.
 
     The difference is what measuring costs; each call meets a new shape (nothing cached), and each row is a
@@ -275,6 +276,7 @@ def first_use_table(n, gpjax, repeats=3):
     }
     if gpjax is not None:
         made["GPJax Matern52"] = lambda s: gpjax.kernels.Matern52(lengthscale=s)
+    made = {name: make for name, make in made.items() if only is None or any(s in name for s in only)}
     wrt = ("kernel", "x1", "x2", "operand")
 
     def program(make, checkpoint, batch_size):
@@ -285,7 +287,7 @@ def first_use_table(n, gpjax, repeats=3):
 
     size = n
     for name, make in made.items():
-        for dim in (3, 16):
+        for dim in dims:
             for checkpoint in (True, False):
                 given, measured = [], []
                 for _ in range(repeats + 1):  # the first round warms up what every first call shares
@@ -768,8 +770,10 @@ def main():
     parser.add_argument("--fused", type=int, metavar="N")
     parser.add_argument("--fused-gradient", type=int, metavar="N")
     parser.add_argument("--per-feature", action="store_true", help="--fused, --fused-gradient: ls per feature")
-    parser.add_argument("--dims", help="--fused, --fused-gradient: these D, comma-separated")
-    parser.add_argument("--only", help="--fused, --fused-gradient: kernels whose names contain one of these")
+    parser.add_argument("--dims", help="--fused, --fused-gradient, --first-use: these D, comma-separated")
+    parser.add_argument(
+        "--only", help="--fused, --fused-gradient, --first-use: kernels whose names contain one of these"
+    )
     args = parser.parse_args()
     if not any(vars(args).values()):
         vars(args).update(CPU_TABLES)
@@ -779,10 +783,12 @@ def main():
         gpjax = None
         print("gpjax is not installed (pip install -e '.[interop]'): its rows are left out")
     print(f"machine: {machine()}")
+    dims = {"dims": tuple(int(d) for d in args.dims.split(","))} if args.dims else {}
+    only = args.only.split(",") if args.only else None
     if args.kernels:
         kernels_table(args.kernels, gpjax)
     if args.first_use:
-        first_use_table(args.first_use, gpjax)
+        first_use_table(args.first_use, gpjax, only, **dims)
     if args.eager:
         eager_table(args.eager, gpjax)
     if args.split:
@@ -807,8 +813,6 @@ def main():
         accelerator_blocks_table(args.accelerator_blocks)
     if args.accelerator_features:
         accelerator_features_table(args.accelerator_features, gpjax)
-    dims = {"dims": tuple(int(d) for d in args.dims.split(","))} if args.dims else {}
-    only = args.only.split(",") if args.only else None
     if args.fused:
         fused_table(args.fused, gpjax, args.per_feature, only, **dims)
     if args.fused_gradient:
