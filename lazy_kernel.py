@@ -2916,7 +2916,8 @@ def _fused_backward_kernel(tail, chunks, variant, squares, per_feature, scalars_
         if per_feature:
             by_feature.append(_lane_sums(jnp.sum(by_d2 * (difference * difference), 0, keepdims=True)))
         products = a * difference
-        g1_ref[:, feature : feature + 1] += jnp.sum(_lane_sums(products), 1, keepdims=True)
+        lanes = _lane_sums(products)
+        g1_ref[:, feature : feature + 1] += jnp.sum(lanes, 1, keepdims=True)
         columns.append(-jnp.sum(products, 0, keepdims=True))
     g2_ref[...] = jnp.concatenate(columns, 0)[None]
     if per_feature:
@@ -3055,10 +3056,15 @@ def _fused_backward(rows, cols, points, operand, ct, verdict, s2, tail, form, di
         ],
         form,
     )
-    by_tile = gs.reshape(-1, sums, 128)
+    by_tile = gs.reshape(-1, sums, 128)  # a step per feature's sums by lanes, each other sum in every lane
     totals = jnp.sum(by_tile[:, :, 0], 0)
-    by_s2_totals = jnp.sum(by_tile[:, :by_s2], (0, 2)) if per_feature else totals[:by_s2]  # lanes, or one each
-    return g1[:b], g2.sum(0).T, gv.sum((0, 1))[:, None], by_s2_totals, totals[by_s2:]
+    return (
+        g1[:b],
+        g2.sum(0).T,
+        gv.sum((0, 1))[:, None],
+        jnp.sum(by_tile[:, :by_s2], (0, 2)) if per_feature else totals[:by_s2],
+        totals[by_s2:],
+    )
 
 
 def _sensitivity(tail, derivative=False):
