@@ -606,7 +606,7 @@ def test_result_dtype_follows_jnp_matmul(kernel_dtype, operand_dtype):
 
 @pytest.mark.accelerator
 @pytest.mark.parametrize("chunk", [DEFAULTS.contraction_chunk, 128])  # 128: an accelerator's chunks, padded
-@pytest.mark.parametrize("width", [1, pytest.param(16, marks=SLOW), 64])
+@pytest.mark.parametrize("width", [1, *(pytest.param(w, marks=SLOW) for w in (16, 64))])
 def test_products_are_float32_at_jax_default_precision(width, chunk, device, monkeypatch):
     """With JAX's matmul precision unset (a TPU then rounds a matrix-matrix product to bf16), ``K @ X`` and
     ``X @ K`` err by at most 16 eps of the scale |K| |X| against NumPy float64, beyond 4x what K's own values err
@@ -2507,7 +2507,9 @@ ACCELERATOR_ACCURACY_CASES = [  # (D, x64): x64 off only at the GEMM; written ou
 
 
 @pytest.mark.parametrize("dim, x64", ACCELERATOR_ACCURACY_CASES)
-@pytest.mark.parametrize("name", ["rbf-module", pytest.param("gpjax-Matern52", marks=SLOW), "matern12-pair"])
+@pytest.mark.parametrize(
+    "name", ["rbf-module", *(pytest.param(n, marks=SLOW) for n in ("gpjax-Matern52", "matern12-pair"))]
+)
 def test_accelerators_blocks_as_accurate_as_the_vmap_form(name, dim, x64, monkeypatch):
     """The oracle test above for an accelerator's blocks (faked here), float32: at the most features written out
     (no other test checks blocks written out at D = 21 to 64 against an oracle on CPU), and at gemm_features_min,
@@ -2731,7 +2733,7 @@ def test_which_kernels_the_fused_form_takes(name, backend, monkeypatch):
 
 @FUSED_ON_CPU
 @pytest.mark.filterwarnings("ignore:.*one row of a block needs")
-@pytest.mark.parametrize("budget_mb, fused", [(0.05, False), (14, False), (64, True)])
+@pytest.mark.parametrize("budget_mb, fused", [pytest.param(0.05, False, marks=SLOW), (14, False), (64, True)])
 def test_measure_compiles_the_program_that_runs_with_the_fused_layer(budget_mb, fused, monkeypatch):
     """The columns' digits count in the peak that max_memory_mb bounds (a TPU faked, Pallas interpreted): K @ v is
     fused where its measured peak fits the budget, else unfused (at 14 MB the digits take 6.1 MB, under half, but
@@ -3251,7 +3253,7 @@ def test_fused_products_as_accurate_as_the_vmap_form(name, dim, monkeypatch, dev
 @ON_ACCELERATORS
 @pytest.mark.parametrize(
     "name",
-    ["rbf-module", "rbf-pair-scaling-points", *(pytest.param(n, marks=SLOW) for n in ("gpjax-RBF", "gpjax-Matern52"))],
+    ["rbf-module", *(pytest.param(n, marks=SLOW) for n in ("rbf-pair-scaling-points", "gpjax-RBF", "gpjax-Matern52"))],
 )
 def test_fused_products_with_a_lengthscale_per_feature(name, monkeypatch, device):
     """Lengthscales per feature over three decades, fused on a TPU (faked): each feature's step is taken into the
