@@ -17,7 +17,8 @@
     python bench_lazy_kernel.py --fused 32768    # off the CPU: fused products (one lengthscale) by D
     python bench_lazy_kernel.py --fused-gradient 16384  # off the CPU: their checkpointed gradients by D
         (either with --per-feature: a lengthscale per feature; --dims 16,64: those D; --only RBF,Matern: those
-        kernels; --first-use takes --dims and --only too)
+        kernels; --first-use takes --dims and --only too; --fused takes --columns 16,128,512)
+    python bench_lazy_kernel.py ... --set fused_width_max=512   # any mode, with a field of lazy_kernel.SETTINGS set
     python bench_lazy_kernel.py                  # all ten at those sizes (not the accelerator tables)
 
 The fields of lazy_kernel.SETTINGS, and what these modes measured for them:
@@ -54,6 +55,7 @@ machine; compare ratios within one run.
 """
 
 import argparse
+import ast
 import concurrent.futures
 import functools
 import os
@@ -685,11 +687,13 @@ def fused_lengthscale(dim, per_feature):
     return lengthscales(dim) if per_feature else jnp.float32(np.sqrt(dim / 3))
 
 
-def fused_table(n, gpjax, per_feature=False, only=None, dims=(3, 16, 32, 64, 128, 256)):
+def fused_table(n, gpjax, per_feature=False, only=None, dims=(3, 16, 32, 64, 128, 256), columns=(16,)):
     """Off the CPU: products of kernels a TPU fuses from fused_features_min, with one lengthscale or one per feature,
-    against the same RBF with fused_product off and the inexact GEMM RBF, by D."""
+    against the same RBF with fused_product off and the inexact GEMM RBF, by D: K @ v, then K @ X for each width
+    of ``columns``."""
     scale = "lengthscales 0.5 to 1.5 times sqrt(D / 3)" if per_feature else "lengthscale sqrt(D / 3)"
-    print(f"\n## Fused products, {scale}, float32, M = N = {n}: K @ v, K @ X (16 columns)")
+    widths = ", ".join(f"K @ X ({c} columns)" for c in columns)
+    print(f"\n## Fused products, {scale}, float32, M = N = {n}: K @ v, {widths}")
     print("## in ms, ratios to the inexact GEMM RBF in the same run\n")
     kinds = fused_kinds(gpjax, only)
     print(f"| D | {' | '.join(kinds)} |")
@@ -697,16 +701,18 @@ def fused_table(n, gpjax, per_feature=False, only=None, dims=(3, 16, 32, 64, 128
     for dim in dims:
         rng = np.random.default_rng(0)
         x = jnp.asarray(rng.normal(size=(n, dim)), jnp.float32)
-        v, wide = jnp.asarray(rng.normal(size=n), jnp.float32), jnp.asarray(rng.normal(size=(n, 16)), jnp.float32)
+        operands = [jnp.asarray(rng.normal(size=n), jnp.float32)]
+        operands += [jnp.asarray(rng.normal(size=(n, c)), jnp.float32) for c in columns]
         functions = [
             traced_with(lambda ls, points, rhs, make=make: LazyKernel(make(ls), points, points) @ rhs, **switches)
             for make, switches in kinds.values()
         ]
         ls = fused_lengthscale(dim, per_feature)
-        by_v, by_wide = (median_times(functions, (ls, x, operand)) for operand in (v, wide))
+        seconds = [median_times(functions, (ls, x, operand)) for operand in operands]  # [operand][kind]
         cells = [
-            f"{a * 1e3:.1f}, {b * 1e3:.1f} ({a / by_v[0]:.2f}, {b / by_wide[0]:.2f})"
-            for a, b in zip(by_v, by_wide, strict=True)
+            ", ".join(f"{by_kind[i] * 1e3:.1f}" for by_kind in seconds)
+            + f" ({', '.join(f'{by_kind[i] / by_kind[0]:.2f}' for by_kind in seconds)})"
+            for i in range(len(kinds))
         ]
         print(f"| {dim} | {' | '.join(cells)} |", flush=True)
 
@@ -774,6 +780,8 @@ def main():
     parser.add_argument("--fused-gradient", type=int, metavar="N")
     parser.add_argument("--per-feature", action="store_true", help="--fused, --fused-gradient: ls per feature")
     parser.add_argument("--dims", help="--fused, --fused-gradient, --first-use: these D, comma-separated")
+    parser.add_argument("--columns", help="--fused: K @ X at these widths, comma-separated (default 16)")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="lazy_kernel.SETTINGS")
     parser.add_argument(
         "--only", help="--fused, --fused-gradient, --first-use: kernels whose names contain one of these"
     )
@@ -787,6 +795,11 @@ def main():
         print("gpjax is not installed (pip install -e '.[interop]'): its rows are left out")
     print(f"machine: {machine()}")
     dims = {"dims": tuple(int(d) for d in args.dims.split(","))} if args.dims else {}
+    columns = {"columns": tuple(int(c) for c in args.columns.split(","))} if args.columns else {}
+    for change in args.set:  # e.g. --set fused_width_max=512, for the whole run
+        field, value = change.split("=", 1)
+        lazy_kernel.SETTINGS = lazy_kernel.SETTINGS.replace(**{field: ast.literal_eval(value)})
+        print(f"lazy_kernel.SETTINGS.{field} = {value}")
     only = args.only.split(",") if args.only else None
     if args.kernels:
         kernels_table(args.kernels, gpjax)
@@ -817,7 +830,7 @@ def main():
     if args.accelerator_features:
         accelerator_features_table(args.accelerator_features, gpjax)
     if args.fused:
-        fused_table(args.fused, gpjax, args.per_feature, only, **dims)
+        fused_table(args.fused, gpjax, args.per_feature, only, **dims, **columns)
     if args.fused_gradient:
         fused_gradient_table(args.fused_gradient, gpjax, args.per_feature, only, **dims)
 
