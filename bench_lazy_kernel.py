@@ -41,9 +41,10 @@ The fields of lazy_kernel.SETTINGS, and what these modes measured for them:
                                   GEMM (half the bytes) 0.94x at 256; at D = 3 (vmap derivatives) 2x rows took 1.45x
     fused_features_min = 16       --fused (TPU v5e): at D = 3 the unfused form took 0.24x the fused one's time
     fused_backward_features_max = 64  on a v5e, Mosaic had not compiled the fused backward at D = 256 after 200 s
-    fused_per_feature_backward_features_max = 16  --fused-gradient --per-feature (v5e, N = 16384): at D = 64 the
-                                  per-feature fused backward compiled for 79 s and took 3.33x the GEMM RBF's
-                                  gradient, the unfused vjp 6.74x; at 16, 1.30x
+    fused_per_feature_backward_features_max = 16  --fused-gradient --per-feature's programs, in one process with
+                                  the setting raised (v5e, N = 16384): at D = 64 the per-feature fused backward
+                                  compiled for 79 s and took 3.33x the GEMM RBF's gradient, the unfused vjp 6.74x;
+                                  at 16, 1.30x
     the pair program's own derivatives (TPU v5e): one gradient of its block compiled for minutes, and at D = 8
                                   ran 3.3x the vmap form's time; so its blocks differentiate as the vmap form
 
