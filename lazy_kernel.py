@@ -2377,7 +2377,7 @@ _LAYERS.append(_measured_blocks_plan)
 # lambda rho^2 (1 + 1 / kappa) <= 16 eps, with kappa = (4 (D + n + 1) - (G + 2 n + 3)) u. A product takes the
 # fewest digits vouched for (RBF: 3 where |s| R <= 4, 4 where |s| R <= 1024). Elsewhere the unfused form runs. The
 # columns' digits count in the product's measured peak: where that cannot fit max_memory_mb, blocks are contracted.
-# Which kernels, D and chips the form takes is the plan's (_fused_refuses); which digits, the data's.
+# Which kernels, D and chips the form takes is the plan's (_fused_reading); which digits, the data's.
 #
 # A step per feature (lengthscales per feature) is taken into the points: the grid is that of s_d x_d, each
 # product of two float32 values exact in float64, and the rule's s is 1 (R that of the scaled points). The fused
@@ -2440,13 +2440,16 @@ class FusedProduct:
     """A block's product (and reverse mode of ``K @ v``) by the Pallas kernels, where the rule vouches for the
     data; elsewhere the plan's block, contracted."""
 
-    name = "fused"
     tiles: FusedTiles
     packings: tuple  # (digits, "bf16" or "int8", its _Chunks) for each digit count, fewest first
-    backward: bool  # reverse mode of K @ v by the fused backward (D <= fused_backward_features_max)
-    backward_per_feature: bool  # the same with a step per feature (D <= fused_per_feature_backward_features_max)
+    backward: bool  # reverse mode of K @ v by the fused backward (D <= fused_backward_features_max, or
+    # fused_per_feature_backward_features_max for a step per feature), else by the unfused form's vjp
     width_max: int  # operand columns it takes
     interpret: bool  # the Pallas kernels interpreted (interpret_pallas), else compiled for the chip
+
+    @property
+    def name(self):
+        return "fused" if self.backward else "fused (its gradient unfused)"
 
     def packing(self, digits):
         """The variant and chunks of ``digits`` digits."""
@@ -2468,7 +2471,7 @@ class FusedProduct:
         if isinstance(fusion, str):
             return rows_times
         per_feature = jnp.ndim(fusion.step) == 1  # its step in the grid's points
-        fused_backward = width == 1 and (self.backward_per_feature if per_feature else self.backward)
+        fused_backward = width == 1 and self.backward
         grid = _grid(x1, x2, fusion.step if per_feature else None)
         verdicts = _verdicts(grid, fusion, dim, self)
         tile_cols, columns = _tile(n, self.tiles.cols, 128)
@@ -2507,22 +2510,37 @@ class FusedProduct:
 
 def _fused_plan(plan, kernel, dim, dtype):
     """The plan's product fused where this layer takes the kernel, D and chip; else the plan as it was, and why."""
-    reason = _fused_refuses(plan, kernel, dim, dtype)
+    reason, per_feature = _fused_reading(plan, kernel, dim, dtype)
     if reason:
         return plan.noted(f"not fused: {reason}")
     settings = SETTINGS
     packings = tuple((digits, *_fused_chunks(dim, digits, settings)) for digits in settings.digit_counts)
-    backward = dim <= settings.fused_backward_features_max
-    backward_per_feature = dim <= settings.fused_per_feature_backward_features_max
+    most = settings.fused_per_feature_backward_features_max if per_feature else settings.fused_backward_features_max
     tiles, interpret = settings.fused_tiles, settings.interpret_pallas
-    product = FusedProduct(tiles, packings, backward, backward_per_feature, settings.fused_width_max, interpret)
+    product = FusedProduct(tiles, packings, dim <= most, settings.fused_width_max, interpret)
     return dataclasses.replace(plan, product=product)
 
 
-def _fused_refuses(plan, kernel, dim, dtype):
-    """Why the fused form does not take this kernel's products, or None: it takes float32 points on a TPU with
-    room for its kernels, from ``fused_features_min`` features, blocks the pair program makes, and a kernel of
-    |s (x - y)|^2 with a step s (a scalar or one per feature) and a tail the Pallas kernel runs."""
+def _fused_reading(plan, kernel, dim, dtype):
+    """(Why the fused form does not take this kernel's products, or None; whether its step s is one per feature.)
+    It takes a kernel of |s (x - y)|^2 with a step s (a scalar or one per feature) and a tail the Pallas kernel
+    runs, where _fused_refuses does not refuse the plan."""
+    reason = _fused_refuses(plan, dim, dtype)
+    if reason:
+        return reason, False
+    found = []
+
+    def read(xa, xb):
+        fusion = _fusion(kernel, xa, xb, False, plan.block)
+        found.append((fusion, False) if isinstance(fusion, str) else (None, jnp.ndim(fusion.step) == 1))
+
+    jax.eval_shape(read, *_probe_blocks(dim, dtype))
+    return found[0]
+
+
+def _fused_refuses(plan, dim, dtype):
+    """Why the fused form takes no kernel's products on this plan, or None: it takes float32 points on a TPU with
+    room for its kernels, from ``fused_features_min`` features, blocks the pair program makes."""
     settings = SETTINGS
     if not settings.fused_product:
         return "SETTINGS.fused_product is off"
@@ -2536,9 +2554,7 @@ def _fused_refuses(plan, kernel, dim, dtype):
         return f"JAX {jax.__version__} has no Pallas TPU or no float64 in traces (JAX 0.8 on)"
     if not settings.interpret_pallas and (vmem := _vmem_bytes()) < settings.fused_tiles.vmem_limit_bytes * 32 // 25:
         return f"the chip's VMEM ({vmem / 2**20:.3g} MiB a core, None: unknown) under what the kernels ask for"
-    found = []
-    jax.eval_shape(lambda xa, xb: found.append(_fusion(kernel, xa, xb, False, plan.block)), *_probe_blocks(dim, dtype))
-    return found[0] if isinstance(found[0], str) else None
+    return None
 
 
 def _vmem_bytes():

@@ -2857,13 +2857,14 @@ def test_fused_gradients_with_a_lengthscale_per_feature(name, monkeypatch):
 def test_fused_backward_with_a_step_per_feature_to_its_most_features(dim, monkeypatch):
     """A step per feature: the gradient's program holds the fused backward's kernels (one per digit count, beside
     the product's) up to fused_per_feature_backward_features_max features; above, the product's alone (the unfused
-    form's vjp)."""
+    form's vjp), as print(op) says."""
     plan_for(monkeypatch, "tpu")
     op = lambda x: LazyKernel(RBF(jnp.linspace(0.5, 1.5, dim, dtype=jnp.float32)), x, x, batch_size=256)  # noqa: E731
     x, v = jnp.ones((512, dim), jnp.float32), jnp.ones((512, 1), jnp.float32)
     calls = pallas_calls(jax.make_jaxpr(jax.grad(lambda x: jnp.sum(op(x) @ v)))(x).jaxpr)
     backward = dim <= DEFAULTS.fused_per_feature_backward_features_max
     assert len(calls) == len(DEFAULTS.digit_counts) * (2 if backward else 1), calls
+    assert op(x).plan.forms.endswith("fused" if backward else "fused (its gradient unfused)")
 
 
 def fused_family(name):
