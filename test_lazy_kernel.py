@@ -763,6 +763,7 @@ def test_gradients_match_dense(checkpoint, side, pair_function, layers):
         assert_close(got, want, jnp.float64)
 
 
+@SLOW
 def test_measured_blocks_differentiate_like_the_dense_matrix():
     """A checkpointed product whose gradients get blocks of their own (measured when JAX differentiates)."""
     rng = np.random.default_rng(19)
@@ -3052,7 +3053,7 @@ def grid_shapes(f, *args):
 
 
 @FUSED_ON_CPU
-@pytest.mark.parametrize("width", [1, pytest.param(5, marks=SLOW)])
+@pytest.mark.parametrize("width", [pytest.param(w, marks=SLOW) for w in (1, 5)])
 def test_fused_forms_over_several_tiles(width, monkeypatch):
     """With tiles of 32 x 128 pairs, a block of 64 rows against 300 columns is 2 x 3 tiles: K @ X, X @ K and (one
     column) the fused backward's gradient in the lengthscale, x1, x2 and v, against NumPy float64 within the
