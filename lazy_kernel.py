@@ -2889,10 +2889,7 @@ def _fused_kernel(
         out_ref[...] = jnp.zeros_like(out_ref)
 
     if width == 1:  # K @ v on the vector unit, into 128 lanes; the lanes are added outside
-        products = k * operand_refs[0][...]
-        total = products[:, :128]
-        for lane in range(128, products.shape[1], 128):
-            total = total + products[:, lane : lane + 128]
+        total = _lane_sums(k * operand_refs[0][...])
         out_ref[...] += total
     else:  # HIGHEST's six bf16 products, as three: K in three exact bf16 pieces times the operand's
         dot = functools.partial(jax.lax.dot, precision=jax.lax.Precision.DEFAULT, preferred_element_type=jnp.float32)
