@@ -2418,7 +2418,7 @@ class Settings(Settings):
     fused_product: bool = True  # False: no block's product is fused on a TPU
     interpret_pallas: bool = False  # True: the fused kernels run interpreted, on any backend (the tests' on a CPU)
     fused_features_min: int = 16  # on a TPU, the fused product from here (bench --fused)
-    fused_width_max: int = 64  # operand columns the fused product takes; a wider operand gets the unfused form
+    fused_width_max: int = 512  # operand columns the fused product takes; a wider operand gets the unfused form
     fused_backward_features_max: int = 64  # the fused backward to here, the unfused vjp above (its work grows with D)
     fused_per_feature_backward_features_max: int = 16  # the same with a step per feature (its D sums more)
     fused_int8_features_min: int = 128  # digits in int8 from here (half bf16's matrix-unit time, more vector work)
@@ -2848,14 +2848,13 @@ def _padded(points, size):
 
 def _fused_operand(rhs, columns):
     """The operand [N, k] as the kernel reads it, its rows padded with zeros to ``columns``: for k = 1, a row
-    [1, columns]; else three bf16 blocks [X1 | X2 | X3], [X1 | X2 | 0], [X1 | 0 | 0] of its exact pieces."""
+    [1, columns]; else three bf16 blocks [X1 | X2 | X3], [X1 | X2], [X1] of its exact pieces (the six products
+    HIGHEST takes, no more)."""
     rhs = jnp.pad(rhs.astype(jnp.float32), ((0, columns - rhs.shape[0]), (0, 0)))
     if rhs.shape[1] == 1:
         return (rhs.T,)
-    first, second, third = _bf16_pieces(rhs)
-    zero = jnp.zeros_like(first)
-    blocks = ([first, second, third], [first, second, zero], [first, zero, zero])
-    return tuple(jnp.concatenate(block, 1).astype(jnp.bfloat16) for block in blocks)
+    pieces = _bf16_pieces(rhs)
+    return tuple(jnp.concatenate(pieces[:count], 1).astype(jnp.bfloat16) for count in (3, 2, 1))
 
 
 class _Scalars(NamedTuple):
@@ -2891,10 +2890,10 @@ def _fused_kernel(
     if width == 1:  # K @ v on the vector unit, into 128 lanes; the lanes are added outside
         total = _lane_sums(k * operand_refs[0][...])
         out_ref[...] += total
-    else:  # HIGHEST's six bf16 products, as three: K in three exact bf16 pieces times the operand's
+    else:  # HIGHEST's six bf16 products, in three dots: K's bf16 pieces times [X1 | X2 | X3], [X1 | X2], [X1]
         dot = functools.partial(jax.lax.dot, precision=jax.lax.Precision.DEFAULT, preferred_element_type=jnp.float32)
-        pieces = _bf16_pieces(k)
-        out_ref[...] += sum(dot(p.astype(jnp.bfloat16), x[...]) for p, x in zip(pieces, operand_refs, strict=True))
+        for piece, x_ref in zip(_bf16_pieces(k), operand_refs, strict=True):
+            out_ref[:, : x_ref.shape[1]] += dot(piece.astype(jnp.bfloat16), x_ref[...])
 
 
 def _fused_backward_kernel(tail, chunks, variant, squares, per_feature, scalars_ref, *refs):
@@ -3000,9 +2999,9 @@ def _fused_product(rows, cols, operand, verdict, tail, form, digits):
     rows, row_norms = _packed(_digits(_padded(rows, padded), verdict.grid, digits), chunks, variant, left=True)
     out_width = 128 if width == 1 else 3 * width
     spec = (
-        (lambda: _by_col((1, tile_cols)))
+        (lambda piece: _by_col((1, tile_cols)))
         if width == 1
-        else (lambda: pl.BlockSpec((tile_cols, 3 * width), lambda i, j: (j, 0)))
+        else (lambda piece: pl.BlockSpec((tile_cols, piece.shape[1]), lambda i, j: (j, 0)))
     )
     inputs = [
         (verdict.scalars, _in_smem()),
@@ -3010,7 +3009,7 @@ def _fused_product(rows, cols, operand, verdict, tail, form, digits):
         (row_norms, _by_row((tile_rows, row_norms.shape[1]))),
         (cols, _by_col((cols.shape[0], tile_cols))),
         (col_norms, _by_col((col_norms.shape[0], tile_cols))),
-        *((piece, spec()) for piece in operand),
+        *((piece, spec(piece)) for piece in operand),
     ]
     out = _tiled_call(
         functools.partial(_fused_kernel, tail, chunks, variant, width),

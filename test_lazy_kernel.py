@@ -2781,13 +2781,13 @@ def test_fused_form_asks_the_chip_for_its_vmem(monkeypatch):
 @FUSED_ON_CPU
 @pytest.mark.parametrize(
     "dim, width, count",
-    [(16, 1, 3), *(pytest.param(*c, marks=SLOW) for c in [(64, 64, 4), (128, 5, 3)])],
+    [(16, 1, 3), *(pytest.param(*c, marks=SLOW) for c in [(64, 64, 4), (128, 5, 3), (16, 300, 3)])],
 )
 def test_fused_products_match_numpy(dim, width, count, monkeypatch):
     """K @ X and X @ K by the fused form of ``count`` digits (Pallas interpreted here) against NumPy float64 on
     the points rounded to its grid: with 4, 100 lengthscales from the origin (where a float32 GEMM's d^2 errs by
     1e-3), with 3, N(0, 1); within 16 eps of the scale (|K| |X|); ragged sizes (neither a multiple of the tiles),
-    1 to 64 columns, bf16 and int8 digits, under jit and vmap."""
+    1 to 300 columns, bf16 and int8 digits, under jit and vmap."""
     plan_for(monkeypatch, "tpu")
     use_settings(monkeypatch, digit_counts=(count,))
     rng = np.random.default_rng(dim + width)
@@ -3082,6 +3082,25 @@ def test_fused_forms_over_several_tiles(width, monkeypatch):
         assert all(grid == (2, 3) for grid in grid_shapes(gradient, *args))
         got, want = jax.jit(gradient)(*args), jax.jit(vmapped)(*args)
         assert_gradients_within_contract(got, want, x1, x2, v, ls, "rbf")
+
+
+@FUSED_ON_CPU
+def test_fused_product_takes_operands_to_its_widest(monkeypatch):
+    """K @ X and X @ K are fused up to fused_width_max columns (the product's kernels traced); a wider operand takes
+    the unfused form: both within the contract."""
+    plan_for(monkeypatch, "tpu")
+    use_settings(monkeypatch, fused_width_max=6)
+    rng = np.random.default_rng(6)
+    ls = float(np.float32(np.sqrt(16 / 3)))
+    x1, x2 = (np.asarray(rng.normal(size=(n, 16)), np.float32) for n in (70, 150))
+    make = FUSED_KERNELS["rbf-module"][0]
+    op = LazyKernel(make(ls), jnp.asarray(x1), jnp.asarray(x2), batch_size=64)
+    programs = fused_programs(make, 64)
+    for width, fused in ((6, True), (7, False)):
+        right, left = jnp.ones((150, width), jnp.float32), jnp.ones((width, 70), jnp.float32)
+        for side, operand in ((lambda r: op @ r, right), (lambda w: w @ op, left)):
+            assert bool(pallas_calls(jax.make_jaxpr(side)(operand).jaxpr)) == fused
+        fused_products_within_contract(make, "rbf", ls, x1, x2, width, rng, programs=programs)
 
 
 def rule_reach(sensitivity, digits, ls, dim, steps):
@@ -3547,17 +3566,17 @@ def linear_loss_oracle(x1, x2, ls, variance, v, w, wide):
 
 @AT_SCALE
 @pytest.mark.parametrize(
-    "dim, digits, offset, n, per_feature",
+    "dim, digits, offset, n, per_feature, width",
     [
-        (64, 4, 1000.0, 16384, False),
-        (128, 3, 0.0, 16384, False),
-        (256, 4, 1000.0, 8192, False),
-        (16, 3, 0.0, 16384, True),
+        (64, 4, 1000.0, 16384, False, 128),
+        (128, 3, 0.0, 16384, False, 512),
+        (256, 4, 1000.0, 8192, False, 16),
+        (16, 3, 0.0, 16384, True, 300),
     ],
 )
-def test_fused_form_at_scale(dim, digits, offset, n, per_feature, device, monkeypatch):
+def test_fused_form_at_scale(dim, digits, offset, n, per_feature, width, device, monkeypatch):
     """On the chip, full size, x1 != x2: the fused form of ``digits`` digits (bf16 digits to D = 64, int8 from 128),
-    K @ v, K @ X, w @ K and the checkpointed gradient of w.(K @ v) in the lengthscale, x1, x2 and v against NumPy
+    K @ v, K @ X (``width`` columns), w @ K and the checkpointed gradient of w.(K @ v) in the lengthscale, x1, x2 and v against NumPy
     float64, within 4x the vmap form's error plus 16 eps of the scale. Points spread about the lengthscale, a few
     10 lengthscales out where 4 digits are wanted (the grid spans the farthest), ``offset`` lengthscales from the
     origin; ``per_feature``, lengthscales over three decades, the points spread as much about each. Blocks of 2048
@@ -3576,7 +3595,7 @@ def test_fused_form_at_scale(dim, digits, offset, n, per_feature, device, monkey
         np.asarray(rng.uniform(-0.25, 1, size=len(x2)), np.float32),
         np.asarray(rng.uniform(-0.25, 1, size=n), np.float32),
     )
-    wide = np.asarray(rng.uniform(-0.25, 1, size=(len(x2), 16)), np.float32)
+    wide = np.asarray(rng.uniform(-0.25, 1, size=(len(x2), width)), np.float32)
 
     def results(make, ls, x1, x2, v, w, wide):
         op = lambda ls, x1, x2: LazyKernel(make(ls, variance), x1, x2, batch_size=2048, checkpoint=True)  # noqa: E731
