@@ -2377,7 +2377,7 @@ _LAYERS.append(_measured_blocks_plan)
 # lambda rho^2 (1 + 1 / kappa) <= 16 eps, with kappa = (4 (D + n + 1) - (G + 2 n + 3)) u. A product takes the
 # fewest digits vouched for (RBF: 3 where |s| R <= 4, 4 where |s| R <= 1024). Elsewhere the unfused form runs. The
 # columns' digits count in the product's measured peak: where that cannot fit max_memory_mb, blocks are contracted.
-# Which kernels, D and chips the form takes is the plan's (_fused_reading); which digits, the data's.
+# Which kernels, D and chips the form takes is the plan's (_fused_refuses); which digits, the data's.
 #
 # A step per feature (lengthscales per feature) is taken into the points: the grid is that of s_d x_d, each
 # product of two float32 values exact in float64, and the rule's s is 1 (R that of the scaled points). The fused
@@ -2390,8 +2390,7 @@ _LAYERS.append(_measured_blocks_plan)
 # (nothing cancels). The cotangent of s^2, sum C tail' |x - y|^2, is the grid's d^2 corrected by the grid's moves
 # against the points' cotangents; where pairs nearer than the grid's step carry its weight, a second pass sums the
 # differences' squares (_fused_cotangents). It runs where the rule vouches with lambda bounding |tail'' / tail'|
-# too, up to D = fused_backward_features_max (fused_per_feature_backward_features_max for a step per feature);
-# elsewhere, and for wider operands, the unfused form's vjp.
+# too, up to D = fused_backward_features_max; elsewhere, and for wider operands, the unfused form's vjp.
 
 try:  # bound once, as JAX's Pallas TPU kernels bind them
     from jax.experimental import pallas as pl
@@ -2420,7 +2419,6 @@ class Settings(Settings):
     fused_features_min: int = 16  # on a TPU, the fused product from here (bench --fused)
     fused_width_max: int = 512  # operand columns the fused product takes; a wider operand gets the unfused form
     fused_backward_features_max: int = 64  # the fused backward to here, the unfused vjp above (its work grows with D)
-    fused_per_feature_backward_features_max: int = 16  # the same with a step per feature (its D sums more)
     fused_int8_features_min: int = 128  # digits in int8 from here (half bf16's matrix-unit time, more vector work)
     digit_counts: tuple[int, ...] = (3, 4)  # signed 8-bit digits per coordinate: the fewest the rule vouches for
     fused_tiles: FusedTiles = FusedTiles()
@@ -2442,8 +2440,8 @@ class FusedProduct:
 
     tiles: FusedTiles
     packings: tuple  # (digits, "bf16" or "int8", its _Chunks) for each digit count, fewest first
-    backward: bool  # reverse mode of K @ v by the fused backward (D <= fused_backward_features_max, or
-    # fused_per_feature_backward_features_max for a step per feature), else by the unfused form's vjp
+    backward: bool  # reverse mode of K @ v by the fused backward (D <= fused_backward_features_max), else by the
+    # unfused form's vjp
     width_max: int  # operand columns it takes
     interpret: bool  # the Pallas kernels interpreted (interpret_pallas), else compiled for the chip
 
@@ -2510,37 +2508,21 @@ class FusedProduct:
 
 def _fused_plan(plan, kernel, dim, dtype):
     """The plan's product fused where this layer takes the kernel, D and chip; else the plan as it was, and why."""
-    reason, per_feature = _fused_reading(plan, kernel, dim, dtype)
+    reason = _fused_refuses(plan, kernel, dim, dtype)
     if reason:
         return plan.noted(f"not fused: {reason}")
     settings = SETTINGS
     packings = tuple((digits, *_fused_chunks(dim, digits, settings)) for digits in settings.digit_counts)
-    most = settings.fused_per_feature_backward_features_max if per_feature else settings.fused_backward_features_max
+    backward = dim <= settings.fused_backward_features_max
     tiles, interpret = settings.fused_tiles, settings.interpret_pallas
-    product = FusedProduct(tiles, packings, dim <= most, settings.fused_width_max, interpret)
+    product = FusedProduct(tiles, packings, backward, settings.fused_width_max, interpret)
     return dataclasses.replace(plan, product=product)
 
 
-def _fused_reading(plan, kernel, dim, dtype):
-    """(Why the fused form does not take this kernel's products, or None; whether its step s is one per feature.)
-    It takes a kernel of |s (x - y)|^2 with a step s (a scalar or one per feature) and a tail the Pallas kernel
-    runs, where _fused_refuses does not refuse the plan."""
-    reason = _fused_refuses(plan, dim, dtype)
-    if reason:
-        return reason, False
-    found = []
-
-    def read(xa, xb):
-        fusion = _fusion(kernel, xa, xb, False, plan.block)
-        found.append((fusion, False) if isinstance(fusion, str) else (None, jnp.ndim(fusion.step) == 1))
-
-    jax.eval_shape(read, *_probe_blocks(dim, dtype))
-    return found[0]
-
-
-def _fused_refuses(plan, dim, dtype):
-    """Why the fused form takes no kernel's products on this plan, or None: it takes float32 points on a TPU with
-    room for its kernels, from ``fused_features_min`` features, blocks the pair program makes."""
+def _fused_refuses(plan, kernel, dim, dtype):
+    """Why the fused form does not take this kernel's products, or None: it takes float32 points on a TPU with
+    room for its kernels, from ``fused_features_min`` features, blocks the pair program makes, and a kernel of
+    |s (x - y)|^2 with a step s (a scalar or one per feature) and a tail the Pallas kernel runs."""
     settings = SETTINGS
     if not settings.fused_product:
         return "SETTINGS.fused_product is off"
@@ -2554,7 +2536,9 @@ def _fused_refuses(plan, dim, dtype):
         return f"JAX {jax.__version__} has no Pallas TPU or no float64 in traces (JAX 0.8 on)"
     if not settings.interpret_pallas and (vmem := _vmem_bytes()) < settings.fused_tiles.vmem_limit_bytes * 32 // 25:
         return f"the chip's VMEM ({vmem / 2**20:.3g} MiB a core, None: unknown) under what the kernels ask for"
-    return None
+    found = []
+    jax.eval_shape(lambda xa, xb: found.append(_fusion(kernel, xa, xb, False, plan.block)), *_probe_blocks(dim, dtype))
+    return found[0] if isinstance(found[0], str) else None
 
 
 def _vmem_bytes():
@@ -2921,19 +2905,35 @@ def _fused_backward_kernel(tail, chunks, variant, squares, per_feature, scalars_
         g1_ref[...] = jnp.zeros_like(g1_ref)
 
     gv_ref[...] = jnp.sum(ct_ref[...] * k, 0, keepdims=True)[None]
-    columns, summed, by_feature = [], 0.0, []
-    for feature in range(x_ref.shape[1]):
-        difference = x_ref[:, feature : feature + 1] - yt_ref[feature : feature + 1, :]
-        summed = summed + difference * difference if squares else summed
+    x, yt = x_ref[...], yt_ref[...]
+    x_features = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+    yt_features = jax.lax.broadcasted_iota(jnp.int32, yt.shape, 0)
+    lane_features = jax.lax.broadcasted_iota(jnp.int32, (yt.shape[0], 128), 0)
+
+    def one_feature(feature, sums):  # a loop, not unrolled: what Mosaic compiles does not grow with D
+        column = jnp.sum(jnp.where(x_features == feature, x, 0.0), 1, keepdims=True)  # x[:, feature], exactly
+        row = jnp.sum(jnp.where(yt_features == feature, yt, 0.0), 0, keepdims=True)
+        difference = column - row
+        if squares:
+            sums["summed"] = sums["summed"] + difference * difference
         if per_feature:
-            by_feature.append(_lane_sums(jnp.sum(by_d2 * (difference * difference), 0, keepdims=True)))
+            by_lanes = _lane_sums(jnp.sum(by_d2 * (difference * difference), 0, keepdims=True))
+            sums["by_feature"] = sums["by_feature"] + jnp.where(lane_features == feature, by_lanes, 0.0)
         products = a * difference
-        lanes = _lane_sums(products)
-        g1_ref[:, feature : feature + 1] += jnp.sum(lanes, 1, keepdims=True)
-        columns.append(-jnp.sum(products, 0, keepdims=True))
-    g2_ref[...] = jnp.concatenate(columns, 0)[None]
+        row_sums, column_sums = jnp.sum(_lane_sums(products), 1, keepdims=True), -jnp.sum(products, 0, keepdims=True)
+        sums["g1"] = sums["g1"] + jnp.where(x_features == feature, row_sums, 0.0)
+        sums["g2"] = sums["g2"] + jnp.where(yt_features == feature, column_sums, 0.0)
+        return sums
+
+    zeros = {"g1": jnp.zeros_like(x), "g2": jnp.zeros_like(yt)}
+    zeros.update({"summed": jnp.zeros_like(d2)} if squares else {})
+    zeros.update({"by_feature": jnp.zeros(lane_features.shape, jnp.float32)} if per_feature else {})
+    sums = jax.lax.fori_loop(0, x.shape[1], one_feature, zeros)
+    g1, g2, summed, by_feature = sums["g1"], sums["g2"], sums.get("summed"), sums.get("by_feature")
+    g1_ref[...] += g1
+    g2_ref[...] = g2[None]
     if per_feature:
-        by_s2 = by_feature
+        by_s2 = [by_feature[feature : feature + 1] for feature in range(x.shape[1])]
     else:
         weights = jnp.abs(by_d2)
         by_s2 = (

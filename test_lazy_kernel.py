@@ -2854,16 +2854,16 @@ def test_fused_gradients_with_a_lengthscale_per_feature(name, monkeypatch):
 
 
 @FUSED_ON_CPU
-@pytest.mark.parametrize("dim", [16, 32])
+@pytest.mark.parametrize("dim", [64, 128])  # 128: the next D the fused form takes
 def test_fused_backward_with_a_step_per_feature_to_its_most_features(dim, monkeypatch):
     """A step per feature: the gradient's program holds the fused backward's kernels (one per digit count, beside
-    the product's) up to fused_per_feature_backward_features_max features; above, the product's alone (the unfused
-    form's vjp), as print(op) says."""
+    the product's) up to fused_backward_features_max features; above, the product's alone (the unfused form's vjp),
+    as print(op) says."""
     plan_for(monkeypatch, "tpu")
     op = lambda x: LazyKernel(RBF(jnp.linspace(0.5, 1.5, dim, dtype=jnp.float32)), x, x, batch_size=256)  # noqa: E731
     x, v = jnp.ones((512, dim), jnp.float32), jnp.ones((512, 1), jnp.float32)
     calls = pallas_calls(jax.make_jaxpr(jax.grad(lambda x: jnp.sum(op(x) @ v)))(x).jaxpr)
-    backward = dim <= DEFAULTS.fused_per_feature_backward_features_max
+    backward = dim <= DEFAULTS.fused_backward_features_max
     assert len(calls) == len(DEFAULTS.digit_counts) * (2 if backward else 1), calls
     assert op(x).plan.forms.endswith("fused" if backward else "fused (its gradient unfused)")
 
@@ -3571,16 +3571,16 @@ def linear_loss_oracle(x1, x2, ls, variance, v, w, wide):
         (64, 4, 1000.0, 16384, False, 128),
         (128, 3, 0.0, 16384, False, 512),
         (256, 4, 1000.0, 8192, False, 16),
-        (16, 3, 0.0, 16384, True, 300),
+        (64, 3, 0.0, 16384, True, 300),
     ],
 )
 def test_fused_form_at_scale(dim, digits, offset, n, per_feature, width, device, monkeypatch):
     """On the chip, full size, x1 != x2: the fused form of ``digits`` digits (bf16 digits to D = 64, int8 from 128),
-    K @ v, K @ X (``width`` columns), w @ K and the checkpointed gradient of w.(K @ v) in the lengthscale, x1, x2 and v against NumPy
-    float64, within 4x the vmap form's error plus 16 eps of the scale. Points spread about the lengthscale, a few
-    10 lengthscales out where 4 digits are wanted (the grid spans the farthest), ``offset`` lengthscales from the
-    origin; ``per_feature``, lengthscales over three decades, the points spread as much about each. Blocks of 2048
-    rows: test_budget_bounds_the_peak_at_scale measures blocks at full size."""
+    K @ v, K @ X (``width`` columns), w @ K and the checkpointed gradient of w.(K @ v) in the lengthscale, x1, x2
+    and v against NumPy float64, within 4x the vmap form's error plus 16 eps of the scale. Points spread about the
+    lengthscale, a few 10 lengthscales out where 4 digits are wanted (the grid spans the farthest), ``offset``
+    lengthscales from the origin; ``per_feature``, lengthscales over three decades, the points spread as much about
+    each. Blocks of 2048 rows: test_budget_bounds_the_peak_at_scale measures blocks at full size."""
     if device.platform != "tpu":
         pytest.skip(ON_A_CHIP)
     taken = branches_taken(monkeypatch)
