@@ -40,11 +40,11 @@ The fields of lazy_kernel.SETTINGS, and what these modes measured for them:
                                   Matern52, Laplace), 0.90x at 256 (N = 65536; 1.03x at 32768); the gradient by the
                                   GEMM (half the bytes) 0.94x at 256; at D = 3 (vmap derivatives) 2x rows took 1.45x
     fused_features_min = 16       --fused (TPU v5e): at D = 3 the unfused form took 0.24x the fused one's time
-    fused_backward_features_max = 64  on a v5e, Mosaic had not compiled the fused backward at D = 256 after 200 s
-    fused_per_feature_backward_features_max = 16  --fused-gradient --per-feature's programs, in one process with
-                                  the setting raised (v5e, N = 16384): at D = 64 the per-feature fused backward
-                                  compiled for 79 s and took 3.33x the GEMM RBF's gradient, the unfused vjp 6.74x;
-                                  at 16, 1.30x
+    fused_backward_features_max = 64  --fused-gradient's programs (v5e, N = 16384), the setting raised: at D = 256
+                                  the fused backward took 6.26x the GEMM RBF's gradient, the unfused vjp 1.31x; at
+                                  64 per feature 3.59x, the unfused vjp 6.82x (both compiled in 37 s)
+    fused_width_max = 512         --fused --columns 16,128,512 (v5e, N = 32768): fused K @ X at 128 and 512 columns
+                                  took 0.65x to 1.08x the GEMM RBF's time, the unfused form 1.04x to 3.48x
     the pair program's own derivatives (TPU v5e): one gradient of its block compiled for minutes, and at D = 8
                                   ran 3.3x the vmap form's time; so its blocks differentiate as the vmap form
 
