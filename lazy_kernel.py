@@ -2998,10 +2998,10 @@ def _fused_product(rows, cols, operand, verdict, tail, form, digits):
     tile_cols = min(form.tiles.cols, n)
     rows, row_norms = _packed(_digits(_padded(rows, padded), verdict.grid, digits), chunks, variant, left=True)
     out_width = 128 if width == 1 else 3 * width
-    spec = (
-        (lambda piece: _by_col((1, tile_cols)))
+    operand_specs = (  # v's row by tiles of columns; else each operand block by tiles of rows
+        [_by_col((1, tile_cols))]
         if width == 1
-        else (lambda piece: pl.BlockSpec((tile_cols, piece.shape[1]), lambda i, j: (j, 0)))
+        else [pl.BlockSpec((tile_cols, piece.shape[1]), lambda i, j: (j, 0)) for piece in operand]
     )
     inputs = [
         (verdict.scalars, _in_smem()),
@@ -3009,7 +3009,7 @@ def _fused_product(rows, cols, operand, verdict, tail, form, digits):
         (row_norms, _by_row((tile_rows, row_norms.shape[1]))),
         (cols, _by_col((cols.shape[0], tile_cols))),
         (col_norms, _by_col((col_norms.shape[0], tile_cols))),
-        *((piece, spec(piece)) for piece in operand),
+        *zip(operand, operand_specs, strict=True),
     ]
     out = _tiled_call(
         functools.partial(_fused_kernel, tail, chunks, variant, width),
