@@ -2734,18 +2734,24 @@ def test_which_kernels_the_fused_form_takes(name, backend, monkeypatch):
 
 @FUSED_ON_CPU
 @pytest.mark.filterwarnings("ignore:.*one row of a block needs")
-@pytest.mark.parametrize("budget_mb, fused", [pytest.param(0.05, False, marks=SLOW), (14, False), (64, True)])
-def test_measure_compiles_the_program_that_runs_with_the_fused_layer(budget_mb, fused, monkeypatch):
-    """The columns' digits count in the peak that max_memory_mb bounds (a TPU faked, Pallas interpreted): K @ v is
-    fused where its measured peak fits the budget, else unfused (at 14 MB the digits take 6.1 MB, under half, but
-    the interpreted fused program 19 MB); measure() compiles the program that runs, and XLA's temporaries agree.
-    (It once measured the fused program at the default budget where the unfused one ran.)"""
+@pytest.mark.parametrize(
+    "budget_mb, fused, width",
+    [pytest.param(0.05, False, 1, marks=SLOW), (14, False, 1), (64, True, 1), (24, True, 128)]
+    + [pytest.param(14, False, 128, marks=SLOW)],
+)
+def test_measure_compiles_the_program_that_runs_with_the_fused_layer(budget_mb, fused, width, monkeypatch):
+    """The columns' digits and the operand's pieces count in the peak that max_memory_mb bounds (a TPU faked,
+    Pallas interpreted): K @ v and K @ X (128 columns) are fused where their measured peak fits the budget, else
+    unfused (at 14 MB the digits take 6.1 MB, under half, but the interpreted fused program 19 MB); measure()
+    compiles the program that runs, and XLA's temporaries agree. (It once measured the fused program at the
+    default budget where the unfused one ran.)"""
     plan_for(monkeypatch, "tpu")
     rng = np.random.default_rng(3)
     n = 200 if budget_mb < 1 else 2000
-    x1, x2, v = points(rng, 300, 16, jnp.float32), points(rng, n, 16, jnp.float32), jnp.ones(n, jnp.float32)
+    x1, x2 = points(rng, 300, 16, jnp.float32), points(rng, n, 16, jnp.float32)
+    v = jnp.ones(n, jnp.float32) if width == 1 else jnp.ones((n, width), jnp.float32)
     program = lambda x1, x2, v: LazyKernel(RBF(jnp.float32(4.0)), x1, x2, max_memory_mb=budget_mb) @ v  # noqa: E731
-    measured = LazyKernel(RBF(jnp.float32(4.0)), x1, x2, max_memory_mb=budget_mb).measure()
+    measured = LazyKernel(RBF(jnp.float32(4.0)), x1, x2, max_memory_mb=budget_mb).measure(width=width)
     assert bool(pallas_calls(jax.make_jaxpr(program)(x1, x2, v).jaxpr)) == fused
     assert measured.peak_mb * 2**20 == pytest.approx(temp_bytes(program, x1, x2, v), rel=0.05, abs=4096)
     assert budget_mb < 1 or measured.peak_mb <= measured.limit_mb
