@@ -638,7 +638,7 @@ def test_products_are_float32_at_jax_default_precision(width, chunk, device, mon
         assert all(error > 64 * eps for error, _ in errors("bfloat16"))
 
 
-@pytest.mark.parametrize("own_blocks", [False, True])
+@pytest.mark.parametrize("own_blocks", [pytest.param(False, marks=SLOW), True])
 def test_accelerators_contraction_matches_dense(own_blocks, monkeypatch):
     """An accelerator's contraction (chunks of columns, padded to whole chunks) run here: products on both sides,
     and their gradients, against the dense matrix; for RBF, and for a kernel whose cross_covariance makes the
@@ -1337,6 +1337,7 @@ def refuse_compiles_over(limit_bytes, monkeypatch):
     return refused
 
 
+@SLOW
 def test_a_block_too_large_to_compile_counts_as_over_the_budget(monkeypatch):
     """A probe whose compile fails for lack of memory is over any budget: the fit goes on to smaller blocks, for
     products and gradients, and the product is right; with no room for one row the error says so."""
@@ -2010,7 +2011,7 @@ def test_float32_distances_take_the_float64_gemm_where_the_kernel_takes_its_erro
         assert np.all(np.isnan(jax.jit(functools.partial(kernel_block, matern12))(x1, x2)))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.float64, marks=SLOW)])
 def test_gemm_blocks_match_the_dense_matrix(dtype, device):
     """At gemm_features_min features: both products, the transpose and gradients (points, lengthscales) against
     the dense matrix in float64, for blocks of rows and of columns that take the GEMM with one pair per row
@@ -2503,7 +2504,7 @@ def assert_as_accurate_as_the_vmap_form(name, data, ls, dtype, x64, weights, fac
 ACCELERATOR_ACCURACY_CASES = [  # (D, x64): x64 off only at the GEMM; written out, no float64 step for it to change
     (max(DEFAULTS.accelerator_features), True),
     pytest.param(DEFAULTS.gemm_features_min, True, marks=SLOW),
-    (DEFAULTS.gemm_features_min, False),
+    pytest.param(DEFAULTS.gemm_features_min, False, marks=SLOW),
 ]
 
 
@@ -2736,8 +2737,8 @@ def test_which_kernels_the_fused_form_takes(name, backend, monkeypatch):
 @pytest.mark.filterwarnings("ignore:.*one row of a block needs")
 @pytest.mark.parametrize(
     "budget_mb, fused, width",
-    [pytest.param(0.05, False, 1, marks=SLOW), (14, False, 1), (64, True, 1), (24, True, 128)]
-    + [pytest.param(14, False, 128, marks=SLOW)],
+    [(14, False, 1), (64, True, 1)]
+    + [pytest.param(*case, marks=SLOW) for case in [(0.05, False, 1), (24, True, 128), (14, False, 128)]],
 )
 def test_measure_compiles_the_program_that_runs_with_the_fused_layer(budget_mb, fused, width, monkeypatch):
     """The columns' digits and the operand's pieces count in the peak that max_memory_mb bounds (a TPU faked,
@@ -3280,7 +3281,7 @@ def test_fused_products_as_accurate_as_the_vmap_form(name, dim, monkeypatch, dev
 @ON_ACCELERATORS
 @pytest.mark.parametrize(
     "name",
-    ["rbf-module", *(pytest.param(n, marks=SLOW) for n in ("rbf-pair-scaling-points", "gpjax-RBF", "gpjax-Matern52"))],
+    [pytest.param(n, marks=SLOW) for n in ("rbf-module", "rbf-pair-scaling-points", "gpjax-RBF", "gpjax-Matern52")],
 )
 def test_fused_products_with_a_lengthscale_per_feature(name, monkeypatch, device):
     """Lengthscales per feature over three decades, fused on a TPU (faked): each feature's step is taken into the
