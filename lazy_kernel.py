@@ -2941,8 +2941,8 @@ def _fused_backward_kernel(tail, chunks, variant, squares, per_feature, scalars_
             if squares
             else [jnp.sum(by_d2 * d2), jnp.sum(weights), jnp.sum(weights * d2)]
         )
-    sums = [*by_s2, *(jnp.sum(c) for c in by_consts)]
-    gs_ref[...] = jnp.concatenate([jnp.broadcast_to(total, (1, 128)) for total in sums], 1)[None, None]
+    totals = [*by_s2, *(jnp.sum(c) for c in by_consts)]
+    gs_ref[...] = jnp.concatenate([jnp.broadcast_to(total, (1, 128)) for total in totals], 1)[None, None]
 
 
 def _lane_sums(values):
