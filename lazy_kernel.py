@@ -63,9 +63,7 @@ __all__ = [
 ]
 
 
-# --------------------------------------------------------------------------
-# 1. Kernels
-# --------------------------------------------------------------------------
+# -- 1. Kernels ------------------------------------------------------------
 
 
 @runtime_checkable
@@ -154,9 +152,7 @@ def _check_kernel(kernel, dim, dtype):
     return jnp.dtype(out.dtype)
 
 
-# --------------------------------------------------------------------------
-# 2. The plan
-# --------------------------------------------------------------------------
+# -- 2. The plan -----------------------------------------------------------
 #
 # The core plans the vmap form (or the kernel's cross_covariance) and the contraction; each optional layer may
 # refine it (_LAYERS) with a frozen value of its own holding every decision that does not depend on the data.
@@ -326,9 +322,7 @@ def _contraction_precision():
     return None if jax.config.jax_default_matmul_precision is not None else jax.lax.Precision.HIGHEST
 
 
-# --------------------------------------------------------------------------
-# 3. The engine
-# --------------------------------------------------------------------------
+# -- 3. The engine ---------------------------------------------------------
 
 
 def _blockwise_matmul(rows_times, points, rhs_width, dtype, block, policy, inputs, axis=0):
@@ -420,9 +414,7 @@ def _columns_product(op, lhs, dtype, block):
     return _blockwise_matmul(columns_times, x1, width, dtype, block, policy, (op, lhs), axis=1).T
 
 
-# --------------------------------------------------------------------------
-# 4. The operator
-# --------------------------------------------------------------------------
+# -- 4. The operator -------------------------------------------------------
 
 
 class Measurement(NamedTuple):
@@ -682,9 +674,7 @@ def _reverse_mode_policy(op):
     return save_every_value
 
 
-# --------------------------------------------------------------------------
-# 5. python lazy_kernel.py: check this machine against a dense NumPy oracle
-# --------------------------------------------------------------------------
+# -- 5. python lazy_kernel.py: check this machine against a dense NumPy oracle --
 
 
 # Points N(5, 1) at lengthscale sqrt(D) keep d^2 near 2 at every D, and the operands mostly positive, so that K's
@@ -1216,28 +1206,22 @@ def _tail_derivatives(tail, at):
 
 # --- begin optional layer: pair program ---
 #
-# ``_vmap_block`` is a [b, n, D] computation whose short feature sum XLA on CPU
-# runs several times slower than the exponential after it, its gradient tens of
-# times. The pair program runs the kernel's jaxpr (its program on one pair of
-# points) once on the whole block, equation by equation (``_run``; ``_RULES``
-# chooses each rule), holding each value of shape S (say [D] or []) as
+# ``_vmap_block`` is a [b, n, D] computation whose short feature sum XLA on CPU runs several times slower than the
+# exponential after it, its gradient tens of times. The pair program runs the kernel's jaxpr (its program on one pair
+# of points) once on the whole block, equation by equation (``_run``; ``_RULES`` chooses each rule), holding each
+# value of shape S (say [D] or []) as
 #
-# - an array [B, N, *S], B in {1, b} and N in {1, n}: a value of x alone is
-#   [b, 1, *S], of y alone [1, n, *S], of neither [1, 1, *S], so whatever
-#   depends on one point is computed once per point, not once per pair;
-# - ``_WrittenOut``: a value of both points with at most the form's
-#   ``written_out`` features, as one [b, n] array each;
-# - ``_ByFeature``: one with more, as a function from a feature index to its
-#   [b, n] array, summed as the form's ``feature_sum`` says: in a ``fori_loop``
-#   whose body reverse mode recomputes, or at once on [b, n, D] values.
+# - an array [B, N, *S], B in {1, b} and N in {1, n}: a value of x alone is [b, 1, *S], of y alone [1, n, *S], of
+#   neither [1, 1, *S], so whatever depends on one point is computed once per point, not once per pair;
+# - ``_WrittenOut``: a value of both points with at most the form's ``written_out`` features, as one [b, n] array each;
+# - ``_ByFeature``: one with more, as a function from a feature index to its [b, n] array, summed as the form's
+#   ``feature_sum`` says: in a ``fori_loop`` whose body reverse mode recomputes, or at once on [b, n, D] values.
 #
-# Every rule applies the vmap form's primitives to the same values, except:
-# sums may add their terms in another order; two points scaled alike are
-# subtracted before they are scaled (``_Scaled``); a square of a value of both
-# points is ``a ** 2`` (reverse mode through ``a * a`` adds ``ct * a`` twice);
-# and |s (x - y)|^2 (``_squaring``) is computed as the form's
-# ``squared_distances`` say (``_sum_of_squares``). An equation no rule takes is
-# vmapped on its own (``_by_vmap``).
+# Every rule applies the vmap form's primitives to the same values, except: sums may add their terms in another
+# order; two points scaled alike are subtracted before they are scaled (``_Scaled``); a square of a value of both
+# points is ``a ** 2`` (reverse mode through ``a * a`` adds ``ct * a`` twice); and |s (x - y)|^2 (``_squaring``) is
+# computed as the form's ``squared_distances`` say (``_sum_of_squares``). An equation no rule takes is vmapped on its
+# own (``_by_vmap``).
 #
 # On a CPU the program runs every kernel it takes, summing over more than a few features in a loop. On an
 # accelerator the vector unit's lanes hold those features, mostly empty at small D: there the program writes
@@ -1415,12 +1399,10 @@ class _WrittenOut:
 
 
 class _ByFeature:
-    """A value of both points with more features than the form writes out, shape [D]: ``feature(i)`` computes
-    feature ``i`` (traced) as a [b, n] array, ``dense()`` all of them as [b, n, D].
-
-    ``difference``: the two _Scaled points, where the value is their difference scaled (``steps(x - y)``);
-    ``square_of``: the same, where it is that difference squared (see _squaring).
-    """
+    """A value of both points with more features than the form writes out, shape [D]: ``feature(i)`` computes feature
+    ``i`` (traced) as a [b, n] array, ``dense()`` all of them as [b, n, D]. ``difference``: the two _Scaled points,
+    where the value is their difference scaled (``steps(x - y)``); ``square_of``: the same, where it is that difference
+    squared (see _squaring)."""
 
     def __init__(self, size, feature, dense, difference=None, square_of=None):
         self.size, self.feature, self.dense = size, feature, dense
@@ -1609,10 +1591,8 @@ def _of_both(args):
 
 
 def _feature(a, index):
-    """The [B, N] array of one feature of a block value (a value with no features is its own).
-
-    An axis of size 1 broadcasts, as in ``lax.sub(f32[3], f32[1])``: its one feature serves every index.
-    """
+    """The [B, N] array of one feature of a block value (a value with no features is its own). An axis of size 1
+    broadcasts, as in ``lax.sub(f32[3], f32[1])``: its one feature serves every index."""
     shape = a.parts.shape if isinstance(a, _WrittenOut) else a.shape[2:]
     index = tuple(0 if size == 1 else i for i, size in zip(index[len(index) - len(shape) :], shape, strict=True))
     if isinstance(a, _WrittenOut):
@@ -1725,15 +1705,12 @@ def _takes_error(tail, delta, eps):
 
 
 def _squared_distance(first, second, fallback, precision):
-    """|steps(x - y)|^2 for every pair of a block, by the GEMM ``|a|^2 + |b|^2 - 2 a.b`` on centred, scaled
-    points wherever its error bound is within 4x the direct sum's; ``fallback()`` otherwise (the float64 GEMM, or
-    the direct sum).
-
-    The GEMM's d^2 has an error bound of about eps (|a|^2 + |b|^2 + 2 |a| |b|) <= 2 eps (|a|^2 + |b|^2), the
-    direct sum's eps d^2: so the GEMM vouches for a pair where d^2 >= (|a|^2 + |b|^2) / 2. Two pairs in a row
-    that it cannot vouch for (a duplicate point and a near one, say) are recomputed directly; a block with a
-    row with more falls back, recomputed in reverse mode (under ``vmap``, both run).
-    """
+    """|steps(x - y)|^2 for every pair of a block, by the GEMM ``|a|^2 + |b|^2 - 2 a.b`` on centred, scaled points
+    wherever its error bound is within 4x the direct sum's; ``fallback()`` otherwise (the float64 GEMM, or the direct
+    sum). The GEMM's d^2 has an error bound of about eps (|a|^2 + |b|^2 + 2 |a| |b|) <= 2 eps (|a|^2 + |b|^2), the
+    direct sum's eps d^2: so the GEMM vouches for a pair where d^2 >= (|a|^2 + |b|^2) / 2. Two pairs in a row that it
+    cannot vouch for (a duplicate point and a near one, say) are recomputed directly; a block with a row with more falls
+    back, recomputed in reverse mode (under ``vmap``, both run)."""
     rows, cols = _rows_and_columns(first, second)
     x, y = rows.point[:, 0], cols.point[0]  # [b, D] and [n, D]
     centre = (jnp.sum(x, 0) + jnp.sum(y, 0)) / (x.shape[0] + y.shape[0])
@@ -1756,14 +1733,12 @@ def _squared_distance(first, second, fallback, precision):
 
 
 def _looped_sum(size, feature, form):
-    """The sum of ``feature(i)``, i < size, in a loop whose body is rematerialised, so that reverse mode
-    recomputes each feature from the points, and stores none.
-
-    Up to ``sum_chunk`` features are added one at a time; past that, chunks of ``sum_chunk`` features (more past 64, so
-    that there are at most 16) are summed pairwise, one chunk per step, and the remainder after them: an error
-    bound of at most (16 + log2 chunk) eps of the terms' sum, where added one at a time it grows as (size - 1)
-    eps, and a large d^2 (every pair far apart) carries its relative error into K's. Compensating the chunks'
-    sum (Kahan's) doubled the loop's time. The derivative (a sum in any order) is taken one feature a time:
+    """The sum of ``feature(i)``, i < size, in a loop whose body is rematerialised, so that reverse mode recomputes each
+    feature from the points, and stores none. Up to ``sum_chunk`` features are added one at a time; past that, chunks of
+    ``sum_chunk`` features (more past 64, so that there are at most 16) are summed pairwise, one chunk per step, and the
+    remainder after them: an error bound of at most (16 + log2 chunk) eps of the terms' sum, where added one at a time
+    it grows as (size - 1) eps, and a large d^2 (every pair far apart) carries its relative error into K's. Compensating
+    the chunks' sum (Kahan's) doubled the loop's time. The derivative (a sum in any order) is taken one feature a time:
     chunks in reverse mode took twice as long."""
     if size <= form.sum_chunk:
         return _one_at_a_time(size, feature)
@@ -1921,11 +1896,9 @@ def _same_steps(s, t):
 
 
 def _vmap_or_no_cross_covariance(kernel, dim, dtype):
-    """Whether ``kernel`` has no ``cross_covariance``, or one that is exactly the vmap form.
-
-    Decided on the programs, not their printed text: the same equations with
-    the same parameters, wired the same way, and constants of equal value.
-    """
+    """Whether ``kernel`` has no ``cross_covariance``, or one that is exactly the vmap form. Decided on the programs,
+    not their printed text: the same equations with the same parameters, wired the same way, and constants of equal
+    value."""
     if not hasattr(kernel, "cross_covariance"):
         return True
     a, b = _probe_blocks(dim, dtype)
@@ -1993,16 +1966,13 @@ _LAYERS.append(_pair_program_plan)
 
 # --- begin optional layer: measured blocks ---
 #
-# One block of K is not the peak: XLA keeps the temporaries the kernel's
-# computation needs (a checkpointed gradient holds several blocks), beside
-# arrays the size of the data. So the block comes from XLA's
-# ``temp_size_in_bytes`` for the program that runs, compiled on abstract
-# inputs. A gradient is a program of its own, known only when JAX
-# differentiates the product: the product is a ``jax.custom_jvp`` whose rule
-# sees which tangents are symbolic zeros, measures that gradient, and runs at
-# its block (``_measured_product``). The block is the fastest if its peak fits
-# ``max_memory_mb`` plus twice the data; else it shrinks (_fit). Peaks are
-# cached by the program and its plan (_peak_key).
+# One block of K is not the peak: XLA keeps the temporaries the kernel's computation needs (a checkpointed gradient
+# holds several blocks), beside arrays the size of the data. So the block comes from XLA's ``temp_size_in_bytes`` for
+# the program that runs, compiled on abstract inputs. A gradient is a program of its own, known only when JAX
+# differentiates the product: the product is a ``jax.custom_jvp`` whose rule sees which tangents are symbolic zeros,
+# measures that gradient, and runs at its block (``_measured_product``). The block is the fastest if its peak fits
+# ``max_memory_mb`` plus twice the data; else it shrinks (_fit). Peaks are cached by the program and its plan
+# (_peak_key).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2081,12 +2051,9 @@ _BLOCKS = {}  # (what decides the peak, limit) -> (rows, peak): the block chosen
 
 
 def _measured_product(op, rhs, dtype):
-    """``op @ rhs`` at the block measured for the program that runs: the product, or the gradient taken.
-
-    custom_jvp differentiates only explicit inputs, so the tracers the kernel
-    closes over (a hyperparameter under ``grad``, say) are passed in as inputs,
-    and replaced by them in the traced product.
-    """
+    """``op @ rhs`` at the block measured for the program that runs: the product, or the gradient taken. custom_jvp
+    differentiates only explicit inputs, so the tracers the kernel closes over (a hyperparameter under ``grad``, say)
+    are passed in as inputs, and replaced by them in the traced product."""
     width = rhs.shape[1]
     if not (op.checkpoint and jnp.issubdtype(dtype, jnp.inexact)):  # no gradient within the budget
         measured, refined = _measured_block(op, width, dtype, with_form=True)
@@ -2165,15 +2132,11 @@ def _kernel_program(op):
 def _measured_block(
     op, width, dtype, given=None, cached_only=False, differentiated=None, refined=True, with_form=False
 ):
-    """The block for ``op @ X``, X [N, width] of ``dtype``, and its measured peak; ``with_form``, and whether the
-    plan's product runs (``refined``): where its peak does not fit the budget, blocks contracted may.
-
-    ``differentiated``: None for the product; for its gradient, a flag for
-    each input (op's pytree leaves, X, then ``_closed_over(op)``): is the
-    gradient taken with respect to it. ``given`` rows are measured as they
-    are, ``refined`` or not. With ``cached_only``, nothing is compiled: the
-    answer if it is known, else None.
-    """
+    """The block for ``op @ X``, X [N, width] of ``dtype``, and its measured peak; ``with_form``, and whether the plan's
+    product runs (``refined``): where its peak does not fit the budget, blocks contracted may. ``differentiated``: None
+    for the product; for its gradient, a flag for each input (op's pytree leaves, X, then ``_closed_over(op)``): is the
+    gradient taken with respect to it. ``given`` rows are measured as they are, ``refined`` or not. With
+    ``cached_only``, nothing is compiled: the answer if it is known, else None."""
     key = (_peak_key(op, width, dtype), differentiated)
     m = op.shape[0]
 
@@ -2207,12 +2170,9 @@ def _measured_block(
 
 
 def _fastest_rows(op, gradient):
-    """The block before the budget is measured: ``batch_size_row``, at most the plan's fastest block.
-
-    A gradient's is at most half the rows: XLA compiles a loop of one iteration as straight-line code, scheduled
-    with the loss around it, which the measured program lacks; such a gradient's peak reached 1.33x the
-    measured one.
-    """
+    """The block before the budget is measured: ``batch_size_row``, at most the plan's fastest block. A gradient's is at
+    most half the rows: XLA compiles a loop of one iteration as straight-line code, scheduled with the loss around it,
+    which the measured program lacks; such a gradient's peak reached 1.33x the measured one."""
     sizing = op.plan.sizing
     fastest = sizing.gradient_block_bytes if gradient else sizing.block_bytes
     rows = min(max(sizing.min_block_rows, fastest // (op.dtype.itemsize * max(op.shape[1], 1))), op.batch_size_row)
@@ -2220,12 +2180,9 @@ def _fastest_rows(op, gradient):
 
 
 def _fit(peak, rows, limit):
-    """Rows, at most ``rows``, whose measured ``peak(rows)`` fits ``limit`` (else 1); and that peak. A peak of inf
-    (too large to compile) halves the block first.
-
-    A block that must shrink is aimed 10% under where the fitted line meets
-    the limit: XLA's peaks wander around the line, and each miss costs a compile.
-    """
+    """Rows, at most ``rows``, whose measured ``peak(rows)`` fits ``limit`` (else 1); and that peak. A peak of inf (too
+    large to compile) halves the block first. A block that must shrink is aimed 10% under where the fitted line meets
+    the limit: XLA's peaks wander around the line, and each miss costs a compile."""
     at_rows = peak(rows)
     while math.isinf(at_rows) and rows > 1:  # too large to compile: halve until a peak is measured
         rows = max(1, rows // 2)
@@ -2259,14 +2216,10 @@ def _check_fit(at_rows, limit, op):
 
 
 def _compiled_peak(op, width, dtype, rows, differentiated, refined=True):
-    """XLA's temporaries in bytes for ``op @ X`` at ``rows`` rows per block, or for its gradient (``refined``: by
-    the plan's product, as _product's).
-
-    The gradient is in reverse mode with respect to the inputs
-    ``differentiated`` flags (see _measured_block). The programs
-    take abstract inputs: the kernel's arrays, x1, x2, X, and the tracers the
-    kernel closes over.
-    """
+    """XLA's temporaries in bytes for ``op @ X`` at ``rows`` rows per block, or for its gradient (``refined``: by the
+    plan's product, as _product's). The gradient is in reverse mode with respect to the inputs ``differentiated`` flags
+    (see _measured_block). The programs take abstract inputs: the kernel's arrays, x1, x2, X, and the tracers the kernel
+    closes over."""
     leaves, treedef = jax.tree_util.tree_flatten(op.kernel)
     inputs = {
         "kernel": [_spec(a) for a in leaves if _is_array(a)],
@@ -2307,12 +2260,9 @@ def _compiled_peak(op, width, dtype, rows, differentiated, refined=True):
 
 
 def _value_and_pullback(run, moved, *args):
-    """``run``'s value and its pullback of a cotangent (the last of ``args``) to the inputs ``moved`` flags.
-
-    What any loss of the product needs. Not ``grad(sum(run))``: a loss that
-    is linear in the product lets XLA drop the forward loop, and a nonlinear
-    loss (sin, say) then needed up to 1.9x that program's temporaries.
-    """
+    """``run``'s value and its pullback of a cotangent (the last of ``args``) to the inputs ``moved`` flags. What any
+    loss of the product needs. Not ``grad(sum(run))``: a loss that is linear in the product lets XLA drop the forward
+    loop, and a nonlinear loss (sin, say) then needed up to 1.9x that program's temporaries."""
     *args, cotangent = args
     value, pullback = jax.vjp(_of_moved(lambda a: run(*a), args, moved), *_moved(args, moved))
     return value, pullback(cotangent)
@@ -2325,12 +2275,9 @@ def _spec(a):
 
 
 def _peak_key(op, width, dtype):
-    """What decides the peak: the settings, shapes and dtypes, the kernel's program and its plan.
-
-    A kernel whose pytree leaves are all arrays is known by its structure (no
-    trace). Any other (a closure, say, made anew in every trace) by its block's
-    program on small blocks, which costs a trace but no compile.
-    """
+    """What decides the peak: the settings, shapes and dtypes, the kernel's program and its plan. A kernel whose pytree
+    leaves are all arrays is known by its structure (no trace). Any other (a closure, say, made anew in every trace) by
+    its block's program on small blocks, which costs a trace but no compile."""
     leaves, treedef = jax.tree_util.tree_flatten(op.kernel)
     kernel = (treedef, tuple(_spec(a) for a in leaves)) if all(map(_is_array, leaves)) else None
     try:
