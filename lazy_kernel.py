@@ -1,27 +1,23 @@
 """A kernel matrix K(x1, x2) that you can multiply by without ever storing it.
 
-``LazyKernel(kernel, x1, x2) @ X`` gives what the dense matrix ``K @ X`` gives,
-but computes K a block of rows at a time inside a ``jax.lax.fori_loop``:
+``LazyKernel(kernel, x1, x2) @ X`` gives what the dense matrix ``K @ X`` gives, but computes K a block of rows at a
+time inside a ``jax.lax.fori_loop``:
 
     for each block I of rows of x1:
         out[I] = K(x1[I], x2) @ X          # one [block, N] piece of K at a time
 
-so memory is one block plus the output, not the [M, N] matrix. ``X @ K``
-runs the same loop over blocks of columns. With ``checkpoint=True`` blocks
-are recomputed in the backward pass instead of stored.
+so memory is one block plus the output, not the [M, N] matrix. ``X @ K`` runs the same loop over blocks of columns.
+With ``checkpoint=True`` blocks are recomputed in the backward pass instead of stored.
 
-Reading map. The core comes first and runs alone: 1. kernels; 2. the plan
-(``block_plan``: how a block is made, sized, multiplied and contracted, once
-per kernel structure, D, dtype and ``SETTINGS``; each optional layer refines it
-through ``_LAYERS``, the core's seam, using only the core's ``_LAYER_API``); 3. the
-engine (``_blockwise_matmul``, the loop above); 4. the operator (``LazyKernel``);
-5. the check (``python lazy_kernel.py``). Optional layers follow, each one span
-between ``# --- begin optional layer`` and ``# --- end optional layer`` lines
-(delete one, and those that stand on it, and the rest runs): sums and solves
-(``KernelSum``, ``LazyKernel.solve``), kernel programs (a kernel's jaxpr walked,
-which the next two stand on), the pair program (``PairProgramForm``: the vmap
-form's numbers, faster), measured blocks (``MeasuredBlocks``: the budget bounds
-XLA's measured peak) and the fused TPU product (``FusedProduct``).
+Reading map. The core comes first and runs alone: 1. kernels; 2. the plan (``block_plan``: how a block is made,
+sized, multiplied and contracted, once per kernel structure, D, dtype and ``SETTINGS``; each optional layer refines
+it through ``_LAYERS``, the core's seam, using only the core's ``_LAYER_API``); 3. the engine (``_blockwise_matmul``,
+the loop above); 4. the operator (``LazyKernel``); 5. the check (``python lazy_kernel.py``). Optional layers follow,
+each one span between ``# --- begin optional layer`` and ``# --- end optional layer`` lines (delete one, and those
+that stand on it, and the rest runs): sums and solves (``KernelSum``, ``LazyKernel.solve``), kernel programs (a
+kernel's jaxpr walked, which the next two stand on), the pair program (``PairProgramForm``: the vmap form's numbers,
+faster), measured blocks (``MeasuredBlocks``: the budget bounds XLA's measured peak) and the fused TPU product
+(``FusedProduct``).
 
 The file depends on ``jax`` alone: copy it into your project if you like.
 """
@@ -675,8 +671,7 @@ def _reverse_mode_policy(op):
 
 
 # -- 5. python lazy_kernel.py: check this machine against a dense NumPy oracle --
-
-
+#
 # Points N(5, 1) at lengthscale sqrt(D) keep d^2 near 2 at every D, and the operands mostly positive, so that K's
 # relative error shows whole in a product. Each result is compared with NumPy float64 on ``--check`` rows (columns
 # for ``w @ K``) relative to its scale (|K| |v|), within 16 eps plus 4x the vmap form's error (the kernel on each
@@ -1656,11 +1651,10 @@ def _wide_squared_distance(first, second, fallback, tail):
     float64 on the points converted, then centred and scaled, rounded to float32; ``fallback()`` (the direct sum) where
     the kernel, ``tail(d^2)``, cannot take that GEMM's error (under ``vmap``, both run).
 
-    The float64 d^2 errs by at most delta = (D + 3) eps64 (max|a| + max|b|)^2 (the largest norms of the block's
-    rows and columns): one bound for every pair. A d^2 within 2 delta of zero is zero (a duplicate point, for
-    all the GEMM can tell; its gradient is kept), which leaves its K exactly the vmap form's. The block takes the
-    GEMM where delta is at most (16 eps32)^2 and ``_takes_error(tail, delta)``.
-    """
+    The float64 d^2 errs by at most delta = (D + 3) eps64 (max|a| + max|b|)^2 (the largest norms of the block's rows
+    and columns): one bound for every pair. A d^2 within 2 delta of zero is zero (a duplicate point, for all the GEMM
+    can tell; its gradient is kept), which leaves its K exactly the vmap form's. The block takes the GEMM where delta
+    is at most (16 eps32)^2 and ``_takes_error(tail, delta)``."""
     rows, cols = _rows_and_columns(first, second)
     x, y = rows.point[:, 0], cols.point[0]  # [b, D] and [n, D]
     with _float64():
@@ -1691,14 +1685,12 @@ def _wide_squared_distance(first, second, fallback, tail):
 
 def _takes_error(tail, delta, eps):
     """Whether ``tail`` (the kernel as a function of d^2, in float64) moves by at most 16 eps of itself, and its
-    derivative (the gradient's factor) by at most 16 eps of itself, when d^2 errs by ``delta``: judged to first
-    order where the tails of stationary kernels are most sensitive, near zero: at 2 delta (the least d^2 not
-    taken as zero) and at 4 delta / eps (from there on, delta is within d^2's own float32 rounding, as in the
-    direct sum).
+    derivative (the gradient's factor) by at most 16 eps of itself, when d^2 errs by ``delta``: judged to first order
+    where the tails of stationary kernels are most sensitive, near zero: at 2 delta (the least d^2 not taken as zero)
+    and at 4 delta / eps (from there on, delta is within d^2's own float32 rounding, as in the direct sum).
 
     RBF, Matern 3/2 and 5/2 pass while delta is small; Matern 1/2 (a square root of d^2) never does: its
     derivative moves by half at 2 delta."""
-
     value, slope, curvature = _tail_derivatives(tail, jnp.stack([2 * delta, 4 * delta / eps]))
     value_moved, slope_moved = jnp.abs(slope) * delta, jnp.abs(curvature) * delta
     return jnp.all((value_moved <= 16 * eps * jnp.abs(value)) & (slope_moved <= 16 * eps * jnp.abs(slope)))
@@ -2332,12 +2324,9 @@ _LAYERS.append(_measured_blocks_plan)
 #
 # Derivatives: the product is a primitive of its own (_fused_primitives). Forward mode, and anything of second
 # order, is the unfused form's. Reverse mode of K @ v (one operand column) runs a second Pallas kernel per block
-# (_fused_backward_kernel): d^2 as above gives K, tail' and the tail's constants' cotangents; the points'
-# cotangents sum C tail' 2 s^2 (x_i - y_j) per feature on the vector unit, the differences taken pair by pair
-# (nothing cancels). The cotangent of s^2, sum C tail' |x - y|^2, is the grid's d^2 corrected by the grid's moves
-# against the points' cotangents; where pairs nearer than the grid's step carry its weight, a second pass sums the
-# differences' squares (_fused_cotangents). It runs where the rule vouches with lambda bounding |tail'' / tail'|
-# too, up to D = fused_backward_features_max; elsewhere, and for wider operands, the unfused form's vjp.
+# (_fused_backward_kernel; the cotangent of s^2 from the grid's d^2: _fused_cotangents) where the rule vouches with
+# lambda bounding |tail'' / tail'| too, up to D = fused_backward_features_max; elsewhere, and for wider operands, the
+# unfused form's vjp.
 
 try:  # bound once, as JAX's Pallas TPU kernels bind them
     from jax.experimental import pallas as pl
@@ -2387,8 +2376,7 @@ class FusedProduct:
 
     tiles: FusedTiles
     packings: tuple  # (digits, "bf16" or "int8", its _Chunks) for each digit count, fewest first
-    backward: bool  # reverse mode of K @ v by the fused backward (D <= fused_backward_features_max), else by the
-    # unfused form's vjp
+    backward: bool  # reverse mode of K @ v fused (D <= fused_backward_features_max), else the unfused form's vjp
     width_max: int  # operand columns it takes
     interpret: bool  # the Pallas kernels interpreted (interpret_pallas), else compiled for the chip
 
@@ -2403,8 +2391,7 @@ class FusedProduct:
     def rows_times(self, op, x1, x2, rhs, rows_times):
         """The engine's ``rows_times`` by the fused form where this layer's rule vouches for the points, else by
         ``rows_times`` (whose derivatives both use); ``rows_times`` itself where the fused form does not take the
-        product: an operand wider than ``width_max``. The columns' digits count in the product's peak, which
-        ``max_memory_mb`` bounds (where measured blocks cannot fit it, they run without this product)."""
+        product: an operand wider than ``width_max``."""
         kernel, transposed, plan = op.kernel, op.transposed, op.plan
         n, width, dim = x2.shape[0], rhs.shape[1], x1.shape[1]
         if rhs.dtype != jnp.float32 or not (0 < width <= self.width_max and n and x1.shape[0]):
