@@ -1142,6 +1142,12 @@ def _bind(eqn, args, params=None):
     return out if eqn.primitive.multiple_results else [out]
 
 
+def _bind_broadcast(eqn, args):
+    """``eqn`` bound to ``args`` broadcast against each other."""
+    common = jnp.broadcast_shapes(*(a.shape for a in args))
+    return _bind(eqn, [jnp.broadcast_to(a, common) for a in args])
+
+
 def _float64():
     """A context in which float64 values can be made."""
     return contextlib.nullcontext() if jax.config.jax_enable_x64 else jax.enable_x64(True)
@@ -1157,17 +1163,6 @@ def _in_float64(program):
     """A ClosedJaxpr of one float32 scalar as a function run on float64 values (float32 constants, literals and
     casts widened), to be called under _float64(); None where the program does not run so. In float32, a Matern
     kernel's polynomial times exp cancels near zero, and its derivatives there were rounding noise."""
-    widened = lambda at: _run_widened(program.jaxpr, program.consts, [at])[0].reshape(())  # noqa: E731
-    try:
-        with _float64():
-            jax.eval_shape(widened, jax.ShapeDtypeStruct((), jnp.float64))
-    except Exception:  # a primitive that takes no float64 (the error differs by primitive): no float64 GEMM
-        return None
-    return widened
-
-
-def _run_widened(jaxpr, consts, args):
-    """Evaluate ``jaxpr`` with its float32 values float64 (see _in_float64)."""
 
     def widened(value):
         value = jax.lax.stop_gradient(jnp.asarray(value))  # a probe: no derivative reaches the kernel through it
@@ -1182,7 +1177,16 @@ def _run_widened(jaxpr, consts, args):
             params["new_dtype"] = jnp.dtype(jnp.float64)
         return _bind(eqn, args, params)
 
-    return _evaluate(jaxpr, list(map(widened, consts)), args, equation, lambda var: widened(var.val), widened)
+    def run(at):
+        consts = list(map(widened, program.consts))
+        return _evaluate(program.jaxpr, consts, [at], equation, lambda var: widened(var.val), widened)[0].reshape(())
+
+    try:
+        with _float64():
+            jax.eval_shape(run, jax.ShapeDtypeStruct((), jnp.float64))
+    except Exception:  # a primitive that takes no float64 (the error differs by primitive): no float64 GEMM
+        return None
+    return run
 
 
 def _tail_derivatives(tail, at):
@@ -1381,7 +1385,8 @@ def _pair_program_run(kernel, xa, xb, transposed, form):
     first, second = (xb, xa) if transposed else (xa, xb)
     program = _pair_program(kernel, first[0], second[0])  # traced on them: under shard_map, as they vary
     rows, cols = xa[:, None, :], xb[None, :, :]  # [b, 1, D] and [1, n, D]: values of x alone, of y alone
-    run = _Run(program, _scaled_inputs(*((cols, rows) if transposed else (rows, cols)), form), form)
+    inputs = [_Scaled(p, form) if jnp.issubdtype(p.dtype, jnp.floating) else p for p in (rows, cols)]  # real floats
+    run = _Run(program, inputs[::-1] if transposed else inputs, form)
     run.block = jnp.broadcast_to(run.value(), (xa.shape[0], xb.shape[0]))
     return run
 
@@ -1517,17 +1522,10 @@ def _scaled_difference(eqn, args):
     return None if step is None else tuple(p.then(eqn, *step) for p in args[tagged[0]].difference)
 
 
-def _bind_broadcast(eqn, features):
-    common = jnp.broadcast_shapes(*(f.shape for f in features))
-    return _bind(eqn, [jnp.broadcast_to(f, common) for f in features])
-
-
 def _broadcast_elementwise(eqn, args):
     """An elementwise equation on block values [B, N, *S] (or [B, N]: scalars) broadcast against each other."""
     shape = eqn.outvars[0].aval.shape
-    args = [a.reshape(a.shape[:2] + (1,) * (len(shape) + 2 - a.ndim) + a.shape[2:]) for a in args]  # scalars too
-    common = jnp.broadcast_shapes(*(a.shape for a in args))
-    return _bind(eqn, [jnp.broadcast_to(a, common) for a in args])
+    return _bind_broadcast(eqn, [a.reshape(a.shape[:2] + (1,) * (len(shape) + 2 - a.ndim) + a.shape[2:]) for a in args])
 
 
 def _feature_sum_rule(eqn, args, run):
@@ -1835,11 +1833,6 @@ class _Scaled:
 
 def _evaluated(a):
     return a.scaling(a.point) if isinstance(a, _Scaled) else a
-
-
-def _scaled_inputs(first, second, form):
-    """The kernel's two arguments, as _Scaled where they are real floating points."""
-    return [_Scaled(p, form) if jnp.issubdtype(p.dtype, jnp.floating) else p for p in (first, second)]
 
 
 def _scaling_rule(eqn, args):
@@ -2518,8 +2511,7 @@ def _on_tile(tail, consts, *inputs):
             return [inline(args)[0]]
         if eqn.primitive.name in _TILE_RESHAPES:
             return args[:1]
-        shape = jnp.broadcast_shapes(*(a.shape for a in args))
-        return _bind(eqn, [jnp.broadcast_to(a, shape) for a in args])
+        return _bind_broadcast(eqn, args)
 
     return _evaluate(tail, consts, inputs, equation, lambda var: var.val)[0]
 
@@ -2580,18 +2572,14 @@ class _Chunk(NamedTuple):
     plain: int  # its index among the unfolded chunks' norms, or -1
 
 
-def _levels(digits):
-    """For each level l, the digit pairs (i, j) with i + j = l."""
-    return [[(i, level - i) for i in range(digits) if 0 <= level - i < digits] for level in range(2 * digits - 1)]
-
-
 def _fused_chunks(dim, digits, settings):
     """The exact products of a block on ``dim`` features of ``digits`` digits: the variant ("bf16" or "int8")
     and its chunks, by level."""
     variant = "int8" if dim >= settings.fused_int8_features_min else "bf16"
     passes = lambda columns: -(-columns // 128)  # noqa: E731
     pieces = []
-    for level, pairs in enumerate(_levels(digits)):
+    for level in range(2 * digits - 1):
+        pairs = [(i, level - i) for i in range(digits) if 0 <= level - i < digits]  # i + j = level
         columns = [(i, j, d) for i, j in pairs for d in range(dim)]
         if variant == "int8":  # exact below 2^31: one product per level up to D = 8191
             sizes, fold = [len(columns)], False
@@ -3205,20 +3193,18 @@ def _fused_primitives():
         tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
         return jax.jvp(functools.partial(tangent_of, **params), tuple(primals), tangents)
 
+    def vmapped(impl, args, dims, **params):  # the batching rule: ``impl`` vmapped
+        return jax.vmap(functools.partial(impl, **params), in_axes=dims)(*args), 0
+
     for primitive, impl in ((product, _fused_value), (tangent, tangent_of)):
         primitive.def_impl(impl)
         primitive.def_abstract_eval(lambda rows, cols, rhs, *_, **__: rhs.update(shape=(rows.shape[0], rhs.shape[1])))
         mlir.register_lowering(primitive, mlir.lower_fun(impl, multiple_results=False))
-        batching.primitive_batchers[primitive] = functools.partial(_vmapped, impl)
+        batching.primitive_batchers[primitive] = functools.partial(vmapped, impl)
     ad.primitive_jvps[product] = product_jvp
     ad.primitive_jvps[tangent] = tangent_jvp
     ad.primitive_transposes[tangent] = transpose
     return product, tangent
-
-
-def _vmapped(impl, args, dims, **params):
-    """A fused primitive's batching rule: its ``impl`` vmapped."""
-    return jax.vmap(functools.partial(impl, **params), in_axes=dims)(*args), 0
 
 
 _LAYERS.append(_fused_plan)
