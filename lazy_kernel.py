@@ -192,9 +192,7 @@ class VmapForm:
 
     name = "vmap"
     fastest_bytes = None  # the fastest block's bytes, product and gradient; None: the sizing layer's default
-
-    def make(self, kernel, xa, xb, transposed):
-        return _vmap_block(kernel, xa, xb, transposed)
+    make = staticmethod(_vmap_block)
 
     def describe(self, kernel, dim, dtype):
         return self.name
@@ -405,9 +403,8 @@ def _columns_product(op, lhs, dtype, block):
     def columns_times(points):
         return _contract(lhs, op.kernel.cross_covariance(cols, points).astype(dtype), op.plan, width)
 
-    x1 = jnp.asarray(op.x1)
     policy = _reverse_mode_policy(op)
-    return _blockwise_matmul(columns_times, x1, width, dtype, block, policy, (op, lhs), axis=1).T
+    return _blockwise_matmul(columns_times, jnp.asarray(op.x1), width, dtype, block, policy, (op, lhs), axis=1).T
 
 
 # -- 4. The operator -------------------------------------------------------
@@ -486,17 +483,13 @@ class LazyKernel(_Operator):
 
     @property
     def batch_size_row(self) -> int:
-        """Most rows of K per block in ``K @ X``."""
-        if self.batch_size is not None:
-            return self.batch_size
-        return max(1, self.max_elements // max(self.shape[1], 1))
+        """Most rows of K per block in ``K @ X``: ``batch_size``, else the budget's."""
+        return self.batch_size or max(1, self.max_elements // max(self.shape[1], 1))
 
     @property
     def batch_size_col(self) -> int:
         """Most columns of K per block in ``X @ K``."""
-        if self.batch_size is not None:
-            return self.batch_size
-        return max(1, self.max_elements // max(self.shape[0], 1))
+        return self.batch_size or max(1, self.max_elements // max(self.shape[0], 1))
 
     # -- products ------------------------------------------------------------
 
@@ -1901,11 +1894,10 @@ def _same_program(p, q):
 
 
 def _same_jaxpr(p, q):
-    names = {}  # p's variables -> q's
     lists = [(p.constvars, q.constvars), (p.invars, q.invars), (p.outvars, q.outvars), (p.eqns, q.eqns)]
     if any(len(u) != len(w) for u, w in lists) or p.effects != q.effects:
         return False
-    names.update(zip(p.constvars + p.invars, q.constvars + q.invars, strict=True))
+    names = dict(zip(p.constvars + p.invars, q.constvars + q.invars, strict=True))  # p's variables -> q's
     for e, f in zip(p.eqns, q.eqns, strict=True):
         if e.primitive is not f.primitive or len(e.invars) != len(f.invars) or len(e.outvars) != len(f.outvars):
             return False
@@ -1987,7 +1979,6 @@ class MeasuredBlocks:
     probe_options: tuple[tuple[str, object], ...]  # XLA's options for a block's measurement
 
     def product(self, op, rhs, dtype):
-        """``op @ rhs`` at the block measured for the program that runs: the product, or the gradient taken."""
         return _measured_product(op, rhs, dtype)
 
     def measure(self, op, width, wrt=(), cached_only=False):
@@ -2206,12 +2197,8 @@ def _compiled_peak(op, width, dtype, rows, differentiated, refined=True):
     (see _measured_block). The programs take abstract inputs: the kernel's arrays, x1, x2, X, and the tracers the kernel
     closes over."""
     leaves, treedef = jax.tree_util.tree_flatten(op.kernel)
-    inputs = {
-        "kernel": [_spec(a) for a in leaves if _is_array(a)],
-        "x1": [_spec(op.x1)],
-        "x2": [_spec(op.x2)],
-        "rhs": [jax.ShapeDtypeStruct((op.shape[1], width), dtype)],
-    }
+    kernel_arrays = [_spec(a) for a in leaves if _is_array(a)]
+    points_and_rhs = (_spec(op.x1), _spec(op.x2), jax.ShapeDtypeStruct((op.shape[1], width), dtype))
 
     def product(kernel, x1, x2, rhs):
         arrays = iter(kernel)
@@ -2220,10 +2207,9 @@ def _compiled_peak(op, width, dtype, rows, differentiated, refined=True):
         measured = LazyKernel(kernel, x2, x1, **settings).T if op.transposed else LazyKernel(kernel, x1, x2, **settings)
         return _product(measured, rhs, dtype, rows, refined)
 
-    closed = jax.make_jaxpr(product)(inputs["kernel"], *inputs["x1"], *inputs["x2"], *inputs["rhs"])
+    closed = jax.make_jaxpr(product)(kernel_arrays, *points_and_rhs)
     closed_over = _closed_over(op)
-    inputs["closed_over"] = [_spec(c) for c in closed_over]
-    specs = [spec for group in inputs.values() for spec in group]
+    specs = [*kernel_arrays, *points_and_rhs, *map(_spec, closed_over)]
     given = len(specs) - len(closed_over)
 
     def run(*args):
@@ -2396,18 +2382,16 @@ class FusedProduct:
         if isinstance(fusion, str):
             return rows_times
         per_feature = jnp.ndim(fusion.step) == 1  # its step in the grid's points
-        fused_backward = width == 1 and self.backward
         grid = _grid(x1, x2, fusion.step if per_feature else None)
         verdicts = _verdicts(grid, fusion, dim, self)
-        tile_cols, columns = _tile(n, self.tiles.cols, 128)
+        columns = _tile(n, self.tiles.cols, 128)[1]
         points = jax.lax.stop_gradient(_padded(x2, columns))
         packed = []
         for (digits, variant, chunks), verdict in zip(self.packings, verdicts, strict=True):
             cols, col_norms = _packed(_digits(points, verdict.grid, digits), chunks, variant, False)
             packed.append((cols, col_norms.T))
-        kernels = tuple(
-            functools.partial(_fused_product, tail=fusion.tile_tail, form=self, digits=d) for d, _, _ in self.packings
-        )
+        counts = tuple(digits for digits, _, _ in self.packings)
+        kernels = tuple(functools.partial(_fused_product, tail=fusion.tile_tail, form=self, digits=d) for d in counts)
         fallback = lambda rows, cols, rhs, *consts: _contract(  # noqa: E731
             plan.block.make(lambda x, y: pair(x, y, *consts), rows, cols, transposed), rhs, plan, width
         )
@@ -2418,16 +2402,12 @@ class FusedProduct:
             return zero_fusion.step * zero_fusion.step, zero_fusion.tile_consts
 
         backward, backward_vouched, moves = None, (), ()
-        if fused_backward:
-            back = [
-                functools.partial(_fused_backward, tail=fusion.tile_tail, form=self, digits=d)
-                for d, _, _ in self.packings
-            ]
-            backward = _FusedBackward(tuple(back), scalars, fallback, tuple(d for d, _, _ in self.packings))
+        if width == 1 and self.backward:
+            back = tuple(functools.partial(_fused_backward, tail=fusion.tile_tail, form=self, digits=d) for d in counts)
+            backward = _FusedBackward(back, scalars, fallback, counts)
             backward_vouched = tuple(v.vouched for v in _verdicts(grid, fusion, dim, self, derivative=True))
             moves = tuple(
-                None if per_feature else _grid_moves(points, v.grid, d)
-                for (d, _, _), v in zip(self.packings, verdicts, strict=True)
+                None if per_feature else _grid_moves(points, v.grid, d) for d, v in zip(counts, verdicts, strict=True)
             )
         given = _FusedOperands(tuple(packed), _fused_operand(rhs, columns), verdicts, points, backward_vouched, moves)
         return lambda rows: _fused_or_fallback((kernels, backward), fallback, given, rows, x2, rhs, *consts)
@@ -2711,13 +2691,9 @@ def _tile_squared_distances(rows, row_norms, cols, col_norms, scales, chunks, va
 
     for level in reversed(range(levels)):  # the lowest first: its carries reach the sums above
         for chunk in (c for c in chunks if c.level == level):
-            a, b = (
-                rows[:, chunk.offset : chunk.offset + chunk.padded],
-                cols[chunk.offset : chunk.offset + chunk.padded, :],
-            )
-            part = jax.lax.dot(
-                a, b, precision=jax.lax.Precision.DEFAULT, preferred_element_type=accumulate
-            )  # exact: digits
+            columns = slice(chunk.offset, chunk.offset + chunk.padded)
+            a, b = rows[:, columns], cols[columns, :]
+            part = jax.lax.dot(a, b, precision=jax.lax.Precision.DEFAULT, preferred_element_type=accumulate)  # exact
             if not chunk.fold:  # bf16's columns hold -2 b already
                 norms = row_norms[:, chunk.plain : chunk.plain + 1] + col_norms[chunk.plain : chunk.plain + 1, :]
                 part = norms - (part + part) if variant == "int8" else norms + part
