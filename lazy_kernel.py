@@ -1476,9 +1476,8 @@ def _equation_key(eqn, args):
 
 
 def _elementwise(eqn, args, form):
-    """An elementwise equation: per feature on a value of both points with 1 to the form's ``written_out``
-    features, feature by feature on one with more (_ByFeature), else on the arguments broadcast against each
-    other."""
+    """An elementwise equation: per feature on a value of both points with 1 to the form's ``written_out`` features,
+    feature by feature on one with more (_ByFeature), else on the arguments broadcast against each other."""
     shape, written_out = eqn.outvars[0].aval.shape, form.written_out
     if _of_both(args) and shape and 0 < math.prod(shape) <= written_out:
         parts = np.empty(shape, object)
@@ -1798,15 +1797,14 @@ def _by_vmap(eqn, args):
 
 class _Scaled:
     """A point (the kernel's argument, [B, 1, D] or [1, N, D]) held with the steps applied to it so far, each
-    multiplying or dividing by a value of neither point, or negating, as equation ``eqn`` did (with ``other``
-    at ``position`` among its arguments).
+    multiplying or dividing by a value of neither point, or negating, as equation ``eqn`` did (with ``other`` at
+    ``position`` among its arguments).
 
     Two points scaled by the same steps are subtracted before they are scaled: ``x/s - y/s`` is computed as
-    ``(x - y)/s``, so that equal points differ by exactly zero and near ones by their difference rounded
-    once. Scaled first, each point's rounding (XLA's float32 division is not even correctly rounded) enters
-    the difference, and a near-duplicate's gradient (GPJax's kernels) was off by far more than the vmap
-    form's, which XLA fuses pair by pair.
-    """
+    ``(x - y)/s``, so that equal points differ by exactly zero and near ones by their difference rounded once. Scaled
+    first, each point's rounding (XLA's float32 division is not even correctly rounded) enters the difference, and a
+    near-duplicate's gradient (GPJax's kernels) was off by far more than the vmap form's, which XLA fuses pair by
+    pair."""
 
     def __init__(self, point, form, steps=()):
         self.point, self.form, self.steps = point, form, steps
@@ -2298,8 +2296,8 @@ _LAYERS.append(_measured_blocks_plan)
 # Which kernels, D and chips the form takes is the plan's (_fused_refuses); which digits, the data's.
 #
 # A step per feature (lengthscales per feature) is taken into the points: the grid is that of s_d x_d, each
-# product of two float32 values exact in float64, and the rule's s is 1 (R that of the scaled points). The fused
-# backward scales the points' cotangents by s_d^2 after, and sums C tail' (x_d - y_d)^2 per feature for s_d^2's.
+# product of two float32 values exact in float64, and the rule's s is 1 (R that of the scaled points); the fused
+# backward scales the points' cotangents by s_d^2 after (_fused_cotangents).
 #
 # Derivatives: the product is a primitive of its own (_fused_primitives). Forward mode, and anything of second
 # order, is the unfused form's. Reverse mode of K @ v (one operand column) runs a second Pallas kernel per block
@@ -2591,10 +2589,9 @@ def _in_pieces(total, most):
 
 
 def _grid(x1, x2, scale=None):
-    """The fused form's grid for the points of x1 and x2 [n, D] (each feature times ``scale``, [D] float32, where
-    given: a step per feature, taken into the grid): per feature the middle m of their range, and R >= every
-    |x - m| (float32, rounded up from float64, where the difference of two float32 values, or their product, is
-    exact); and ``scale``."""
+    """The fused form's grid for the points of x1 and x2 [n, D] (each feature times ``scale``, [D] float32, where given:
+    a step per feature, taken into the grid): per feature the middle m of their range, and R >= every |x - m| (float32,
+    rounded up from float64, where the difference of two float32 values, or their product, is exact); and ``scale``."""
     x1, x2 = jax.lax.stop_gradient((x1, x2))
     low, high = jnp.minimum(jnp.min(x1, 0), jnp.min(x2, 0)), jnp.maximum(jnp.max(x1, 0), jnp.max(x2, 0))
     with _float64():
