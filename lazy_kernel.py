@@ -1631,9 +1631,10 @@ def _sum_of_squares(eqn, run, size, square_of, feature, dense):
 
 
 def _rows_and_columns(first, second):
-    """The two _Scaled points of a block as (the one of rows [b, 1, D], the one of columns [1, n, D])."""
-    row_first = first.point.shape[1] == 1 and second.point.shape[0] == 1
-    return (first, second) if row_first else (second, first)
+    """The two _Scaled points of a block as (the one of rows [b, 1, D], the one of columns [1, n, D]), and their
+    points, [b, D] and [n, D]."""
+    rows, cols = (first, second) if first.point.shape[1] == 1 and second.point.shape[0] == 1 else (second, first)
+    return rows, cols, rows.point[:, 0], cols.point[0]
 
 
 def _wide_squared_distance(first, second, fallback, tail):
@@ -1645,8 +1646,7 @@ def _wide_squared_distance(first, second, fallback, tail):
     and columns): one bound for every pair. A d^2 within 2 delta of zero is zero (a duplicate point, for all the GEMM
     can tell; its gradient is kept), which leaves its K exactly the vmap form's. The block takes the GEMM where delta
     is at most (16 eps32)^2 and ``_takes_error(tail, delta)``."""
-    rows, cols = _rows_and_columns(first, second)
-    x, y = rows.point[:, 0], cols.point[0]  # [b, D] and [n, D]
+    rows, cols, x, y = _rows_and_columns(first, second)
     with _float64():
         x, y = (jax.lax.convert_element_type(p, jnp.float64) for p in (x, y))
         centre = jax.lax.stop_gradient((jnp.sum(x, 0) + jnp.sum(y, 0)) / (x.shape[0] + y.shape[0]))
@@ -1693,8 +1693,7 @@ def _squared_distance(first, second, fallback, precision):
     direct sum's eps d^2: so the GEMM vouches for a pair where d^2 >= (|a|^2 + |b|^2) / 2. Two pairs in a row that it
     cannot vouch for (a duplicate point and a near one, say) are recomputed directly; a block with a row with more falls
     back, recomputed in reverse mode (under ``vmap``, both run)."""
-    rows, cols = _rows_and_columns(first, second)
-    x, y = rows.point[:, 0], cols.point[0]  # [b, D] and [n, D]
+    rows, cols, x, y = _rows_and_columns(first, second)
     centre = (jnp.sum(x, 0) + jnp.sum(y, 0)) / (x.shape[0] + y.shape[0])
     a, b = rows.scaling(rows.point - centre)[:, 0], cols.scaling(cols.point - centre)[0]
     norms = jnp.sum(a * a, 1)[:, None] + jnp.sum(b * b, 1)[None, :]
