@@ -1,27 +1,23 @@
 """A kernel matrix K(x1, x2) that you can multiply by without ever storing it.
 
-``LazyKernel(kernel, x1, x2) @ X`` gives what the dense matrix ``K @ X`` gives,
-but computes K a block of rows at a time inside a ``jax.lax.fori_loop``:
+``LazyKernel(kernel, x1, x2) @ X`` gives what the dense matrix ``K @ X`` gives, but computes K a block of rows at a
+time inside a ``jax.lax.fori_loop``:
 
     for each block I of rows of x1:
         out[I] = K(x1[I], x2) @ X          # one [block, N] piece of K at a time
 
-so memory is one block plus the output, not the [M, N] matrix. ``X @ K``
-runs the same loop over blocks of columns. With ``checkpoint=True`` blocks
-are recomputed in the backward pass instead of stored.
+so memory is one block plus the output, not the [M, N] matrix. ``X @ K`` runs the same loop over blocks of columns.
+With ``checkpoint=True`` blocks are recomputed in the backward pass instead of stored.
 
-Reading map. The core comes first and runs alone: 1. kernels; 2. the plan
-(``block_plan``: how a block is made, sized, multiplied and contracted, once
-per kernel structure, D, dtype and ``SETTINGS``; each optional layer refines it
-through ``_LAYERS``, the core's seam, using only the core's ``_LAYER_API``); 3. the
-engine (``_blockwise_matmul``, the loop above); 4. the operator (``LazyKernel``);
-5. the check (``python lazy_kernel.py``). Optional layers follow, each one span
-between ``# --- begin optional layer`` and ``# --- end optional layer`` lines
-(delete one, and those that stand on it, and the rest runs): sums and solves
-(``KernelSum``, ``LazyKernel.solve``), kernel programs (a kernel's jaxpr walked,
-which the next two stand on), the pair program (``PairProgramForm``: the vmap
-form's numbers, faster), measured blocks (``MeasuredBlocks``: the budget bounds
-XLA's measured peak) and the fused TPU product (``FusedProduct``).
+Reading map. The core comes first and runs alone: 1. kernels; 2. the plan (``block_plan``: how a block is made,
+sized, multiplied and contracted, once per kernel structure, D, dtype and ``SETTINGS``; each optional layer refines
+it through ``_LAYERS``, the core's seam, using only the core's ``_LAYER_API``); 3. the engine (``_blockwise_matmul``,
+the loop above); 4. the operator (``LazyKernel``); 5. the check (``python lazy_kernel.py``). Optional layers follow,
+each one span between ``# --- begin optional layer`` and ``# --- end optional layer`` lines (delete one, and those
+that stand on it, and the rest runs): sums and solves (``KernelSum``, ``LazyKernel.solve``), kernel programs (a
+kernel's jaxpr walked, which the next two stand on), the pair program (``PairProgramForm``: the vmap form's numbers,
+faster), measured blocks (``MeasuredBlocks``: the budget bounds XLA's measured peak) and the fused TPU product
+(``FusedProduct``).
 
 The file depends on ``jax`` alone: copy it into your project if you like.
 """
@@ -63,9 +59,7 @@ __all__ = [
 ]
 
 
-# --------------------------------------------------------------------------
-# 1. Kernels
-# --------------------------------------------------------------------------
+# -- 1. Kernels ------------------------------------------------------------
 
 
 @runtime_checkable
@@ -154,9 +148,7 @@ def _check_kernel(kernel, dim, dtype):
     return jnp.dtype(out.dtype)
 
 
-# --------------------------------------------------------------------------
-# 2. The plan
-# --------------------------------------------------------------------------
+# -- 2. The plan -----------------------------------------------------------
 #
 # The core plans the vmap form (or the kernel's cross_covariance) and the contraction; each optional layer may
 # refine it (_LAYERS) with a frozen value of its own holding every decision that does not depend on the data.
@@ -200,9 +192,7 @@ class VmapForm:
 
     name = "vmap"
     fastest_bytes = None  # the fastest block's bytes, product and gradient; None: the sizing layer's default
-
-    def make(self, kernel, xa, xb, transposed):
-        return _vmap_block(kernel, xa, xb, transposed)
+    make = staticmethod(_vmap_block)
 
     def describe(self, kernel, dim, dtype):
         return self.name
@@ -326,9 +316,7 @@ def _contraction_precision():
     return None if jax.config.jax_default_matmul_precision is not None else jax.lax.Precision.HIGHEST
 
 
-# --------------------------------------------------------------------------
-# 3. The engine
-# --------------------------------------------------------------------------
+# -- 3. The engine ---------------------------------------------------------
 
 
 def _blockwise_matmul(rows_times, points, rhs_width, dtype, block, policy, inputs, axis=0):
@@ -415,14 +403,11 @@ def _columns_product(op, lhs, dtype, block):
     def columns_times(points):
         return _contract(lhs, op.kernel.cross_covariance(cols, points).astype(dtype), op.plan, width)
 
-    x1 = jnp.asarray(op.x1)
     policy = _reverse_mode_policy(op)
-    return _blockwise_matmul(columns_times, x1, width, dtype, block, policy, (op, lhs), axis=1).T
+    return _blockwise_matmul(columns_times, jnp.asarray(op.x1), width, dtype, block, policy, (op, lhs), axis=1).T
 
 
-# --------------------------------------------------------------------------
-# 4. The operator
-# --------------------------------------------------------------------------
+# -- 4. The operator -------------------------------------------------------
 
 
 class Measurement(NamedTuple):
@@ -498,17 +483,13 @@ class LazyKernel(_Operator):
 
     @property
     def batch_size_row(self) -> int:
-        """Most rows of K per block in ``K @ X``."""
-        if self.batch_size is not None:
-            return self.batch_size
-        return max(1, self.max_elements // max(self.shape[1], 1))
+        """Most rows of K per block in ``K @ X``: ``batch_size``, else the budget's."""
+        return self.batch_size or max(1, self.max_elements // max(self.shape[1], 1))
 
     @property
     def batch_size_col(self) -> int:
         """Most columns of K per block in ``X @ K``."""
-        if self.batch_size is not None:
-            return self.batch_size
-        return max(1, self.max_elements // max(self.shape[0], 1))
+        return self.batch_size or max(1, self.max_elements // max(self.shape[0], 1))
 
     # -- products ------------------------------------------------------------
 
@@ -682,11 +663,8 @@ def _reverse_mode_policy(op):
     return save_every_value
 
 
-# --------------------------------------------------------------------------
-# 5. python lazy_kernel.py: check this machine against a dense NumPy oracle
-# --------------------------------------------------------------------------
-
-
+# -- 5. python lazy_kernel.py: check this machine against a dense NumPy oracle --
+#
 # Points N(5, 1) at lengthscale sqrt(D) keep d^2 near 2 at every D, and the operands mostly positive, so that K's
 # relative error shows whole in a product. Each result is compared with NumPy float64 on ``--check`` rows (columns
 # for ``w @ K``) relative to its scale (|K| |v|), within 16 eps plus 4x the vmap form's error (the kernel on each
@@ -1157,6 +1135,12 @@ def _bind(eqn, args, params=None):
     return out if eqn.primitive.multiple_results else [out]
 
 
+def _bind_broadcast(eqn, args):
+    """``eqn`` bound to ``args`` broadcast against each other."""
+    common = jnp.broadcast_shapes(*(a.shape for a in args))
+    return _bind(eqn, [jnp.broadcast_to(a, common) for a in args])
+
+
 def _float64():
     """A context in which float64 values can be made."""
     return contextlib.nullcontext() if jax.config.jax_enable_x64 else jax.enable_x64(True)
@@ -1172,17 +1156,6 @@ def _in_float64(program):
     """A ClosedJaxpr of one float32 scalar as a function run on float64 values (float32 constants, literals and
     casts widened), to be called under _float64(); None where the program does not run so. In float32, a Matern
     kernel's polynomial times exp cancels near zero, and its derivatives there were rounding noise."""
-    widened = lambda at: _run_widened(program.jaxpr, program.consts, [at])[0].reshape(())  # noqa: E731
-    try:
-        with _float64():
-            jax.eval_shape(widened, jax.ShapeDtypeStruct((), jnp.float64))
-    except Exception:  # a primitive that takes no float64 (the error differs by primitive): no float64 GEMM
-        return None
-    return widened
-
-
-def _run_widened(jaxpr, consts, args):
-    """Evaluate ``jaxpr`` with its float32 values float64 (see _in_float64)."""
 
     def widened(value):
         value = jax.lax.stop_gradient(jnp.asarray(value))  # a probe: no derivative reaches the kernel through it
@@ -1197,7 +1170,16 @@ def _run_widened(jaxpr, consts, args):
             params["new_dtype"] = jnp.dtype(jnp.float64)
         return _bind(eqn, args, params)
 
-    return _evaluate(jaxpr, list(map(widened, consts)), args, equation, lambda var: widened(var.val), widened)
+    def run(at):
+        consts = list(map(widened, program.consts))
+        return _evaluate(program.jaxpr, consts, [at], equation, lambda var: widened(var.val), widened)[0].reshape(())
+
+    try:
+        with _float64():
+            jax.eval_shape(run, jax.ShapeDtypeStruct((), jnp.float64))
+    except Exception:  # a primitive that takes no float64 (the error differs by primitive): no float64 GEMM
+        return None
+    return run
 
 
 def _tail_derivatives(tail, at):
@@ -1216,28 +1198,22 @@ def _tail_derivatives(tail, at):
 
 # --- begin optional layer: pair program ---
 #
-# ``_vmap_block`` is a [b, n, D] computation whose short feature sum XLA on CPU
-# runs several times slower than the exponential after it, its gradient tens of
-# times. The pair program runs the kernel's jaxpr (its program on one pair of
-# points) once on the whole block, equation by equation (``_run``; ``_RULES``
-# chooses each rule), holding each value of shape S (say [D] or []) as
+# ``_vmap_block`` is a [b, n, D] computation whose short feature sum XLA on CPU runs several times slower than the
+# exponential after it, its gradient tens of times. The pair program runs the kernel's jaxpr (its program on one pair
+# of points) once on the whole block, equation by equation (``_run``; ``_RULES`` chooses each rule), holding each
+# value of shape S (say [D] or []) as
 #
-# - an array [B, N, *S], B in {1, b} and N in {1, n}: a value of x alone is
-#   [b, 1, *S], of y alone [1, n, *S], of neither [1, 1, *S], so whatever
-#   depends on one point is computed once per point, not once per pair;
-# - ``_WrittenOut``: a value of both points with at most the form's
-#   ``written_out`` features, as one [b, n] array each;
-# - ``_ByFeature``: one with more, as a function from a feature index to its
-#   [b, n] array, summed as the form's ``feature_sum`` says: in a ``fori_loop``
-#   whose body reverse mode recomputes, or at once on [b, n, D] values.
+# - an array [B, N, *S], B in {1, b} and N in {1, n}: a value of x alone is [b, 1, *S], of y alone [1, n, *S], of
+#   neither [1, 1, *S], so whatever depends on one point is computed once per point, not once per pair;
+# - ``_WrittenOut``: a value of both points with at most the form's ``written_out`` features, as one [b, n] array each;
+# - ``_ByFeature``: one with more, as a function from a feature index to its [b, n] array, summed as the form's
+#   ``feature_sum`` says: in a ``fori_loop`` whose body reverse mode recomputes, or at once on [b, n, D] values.
 #
-# Every rule applies the vmap form's primitives to the same values, except:
-# sums may add their terms in another order; two points scaled alike are
-# subtracted before they are scaled (``_Scaled``); a square of a value of both
-# points is ``a ** 2`` (reverse mode through ``a * a`` adds ``ct * a`` twice);
-# and |s (x - y)|^2 (``_squaring``) is computed as the form's
-# ``squared_distances`` say (``_sum_of_squares``). An equation no rule takes is
-# vmapped on its own (``_by_vmap``).
+# Every rule applies the vmap form's primitives to the same values, except: sums may add their terms in another
+# order; two points scaled alike are subtracted before they are scaled (``_Scaled``); a square of a value of both
+# points is ``a ** 2`` (reverse mode through ``a * a`` adds ``ct * a`` twice); and |s (x - y)|^2 (``_squaring``) is
+# computed as the form's ``squared_distances`` say (``_sum_of_squares``). An equation no rule takes is vmapped on its
+# own (``_by_vmap``).
 #
 # On a CPU the program runs every kernel it takes, summing over more than a few features in a loop. On an
 # accelerator the vector unit's lanes hold those features, mostly empty at small D: there the program writes
@@ -1402,7 +1378,8 @@ def _pair_program_run(kernel, xa, xb, transposed, form):
     first, second = (xb, xa) if transposed else (xa, xb)
     program = _pair_program(kernel, first[0], second[0])  # traced on them: under shard_map, as they vary
     rows, cols = xa[:, None, :], xb[None, :, :]  # [b, 1, D] and [1, n, D]: values of x alone, of y alone
-    run = _Run(program, _scaled_inputs(*((cols, rows) if transposed else (rows, cols)), form), form)
+    inputs = [_Scaled(p, form) if jnp.issubdtype(p.dtype, jnp.floating) else p for p in (rows, cols)]  # real floats
+    run = _Run(program, inputs[::-1] if transposed else inputs, form)
     run.block = jnp.broadcast_to(run.value(), (xa.shape[0], xb.shape[0]))
     return run
 
@@ -1415,12 +1392,10 @@ class _WrittenOut:
 
 
 class _ByFeature:
-    """A value of both points with more features than the form writes out, shape [D]: ``feature(i)`` computes
-    feature ``i`` (traced) as a [b, n] array, ``dense()`` all of them as [b, n, D].
-
-    ``difference``: the two _Scaled points, where the value is their difference scaled (``steps(x - y)``);
-    ``square_of``: the same, where it is that difference squared (see _squaring).
-    """
+    """A value of both points with more features than the form writes out, shape [D]: ``feature(i)`` computes feature
+    ``i`` (traced) as a [b, n] array, ``dense()`` all of them as [b, n, D]. ``difference``: the two _Scaled points,
+    where the value is their difference scaled (``steps(x - y)``); ``square_of``: the same, where it is that difference
+    squared (see _squaring)."""
 
     def __init__(self, size, feature, dense, difference=None, square_of=None):
         self.size, self.feature, self.dense = size, feature, dense
@@ -1501,9 +1476,8 @@ def _equation_key(eqn, args):
 
 
 def _elementwise(eqn, args, form):
-    """An elementwise equation: per feature on a value of both points with 1 to the form's ``written_out``
-    features, feature by feature on one with more (_ByFeature), else on the arguments broadcast against each
-    other."""
+    """An elementwise equation: per feature on a value of both points with 1 to the form's ``written_out`` features,
+    feature by feature on one with more (_ByFeature), else on the arguments broadcast against each other."""
     shape, written_out = eqn.outvars[0].aval.shape, form.written_out
     if _of_both(args) and shape and 0 < math.prod(shape) <= written_out:
         parts = np.empty(shape, object)
@@ -1540,17 +1514,10 @@ def _scaled_difference(eqn, args):
     return None if step is None else tuple(p.then(eqn, *step) for p in args[tagged[0]].difference)
 
 
-def _bind_broadcast(eqn, features):
-    common = jnp.broadcast_shapes(*(f.shape for f in features))
-    return _bind(eqn, [jnp.broadcast_to(f, common) for f in features])
-
-
 def _broadcast_elementwise(eqn, args):
     """An elementwise equation on block values [B, N, *S] (or [B, N]: scalars) broadcast against each other."""
     shape = eqn.outvars[0].aval.shape
-    args = [a.reshape(a.shape[:2] + (1,) * (len(shape) + 2 - a.ndim) + a.shape[2:]) for a in args]  # scalars too
-    common = jnp.broadcast_shapes(*(a.shape for a in args))
-    return _bind(eqn, [jnp.broadcast_to(a, common) for a in args])
+    return _bind_broadcast(eqn, [a.reshape(a.shape[:2] + (1,) * (len(shape) + 2 - a.ndim) + a.shape[2:]) for a in args])
 
 
 def _feature_sum_rule(eqn, args, run):
@@ -1609,10 +1576,8 @@ def _of_both(args):
 
 
 def _feature(a, index):
-    """The [B, N] array of one feature of a block value (a value with no features is its own).
-
-    An axis of size 1 broadcasts, as in ``lax.sub(f32[3], f32[1])``: its one feature serves every index.
-    """
+    """The [B, N] array of one feature of a block value (a value with no features is its own). An axis of size 1
+    broadcasts, as in ``lax.sub(f32[3], f32[1])``: its one feature serves every index."""
     shape = a.parts.shape if isinstance(a, _WrittenOut) else a.shape[2:]
     index = tuple(0 if size == 1 else i for i, size in zip(index[len(index) - len(shape) :], shape, strict=True))
     if isinstance(a, _WrittenOut):
@@ -1666,9 +1631,10 @@ def _sum_of_squares(eqn, run, size, square_of, feature, dense):
 
 
 def _rows_and_columns(first, second):
-    """The two _Scaled points of a block as (the one of rows [b, 1, D], the one of columns [1, n, D])."""
-    row_first = first.point.shape[1] == 1 and second.point.shape[0] == 1
-    return (first, second) if row_first else (second, first)
+    """The two _Scaled points of a block as (the one of rows [b, 1, D], the one of columns [1, n, D]), and their
+    points, [b, D] and [n, D]."""
+    rows, cols = (first, second) if first.point.shape[1] == 1 and second.point.shape[0] == 1 else (second, first)
+    return rows, cols, rows.point[:, 0], cols.point[0]
 
 
 def _wide_squared_distance(first, second, fallback, tail):
@@ -1676,13 +1642,11 @@ def _wide_squared_distance(first, second, fallback, tail):
     float64 on the points converted, then centred and scaled, rounded to float32; ``fallback()`` (the direct sum) where
     the kernel, ``tail(d^2)``, cannot take that GEMM's error (under ``vmap``, both run).
 
-    The float64 d^2 errs by at most delta = (D + 3) eps64 (max|a| + max|b|)^2 (the largest norms of the block's
-    rows and columns): one bound for every pair. A d^2 within 2 delta of zero is zero (a duplicate point, for
-    all the GEMM can tell; its gradient is kept), which leaves its K exactly the vmap form's. The block takes the
-    GEMM where delta is at most (16 eps32)^2 and ``_takes_error(tail, delta)``.
-    """
-    rows, cols = _rows_and_columns(first, second)
-    x, y = rows.point[:, 0], cols.point[0]  # [b, D] and [n, D]
+    The float64 d^2 errs by at most delta = (D + 3) eps64 (max|a| + max|b|)^2 (the largest norms of the block's rows
+    and columns): one bound for every pair. A d^2 within 2 delta of zero is zero (a duplicate point, for all the GEMM
+    can tell; its gradient is kept), which leaves its K exactly the vmap form's. The block takes the GEMM where delta
+    is at most (16 eps32)^2 and ``_takes_error(tail, delta)``."""
+    rows, cols, x, y = _rows_and_columns(first, second)
     with _float64():
         x, y = (jax.lax.convert_element_type(p, jnp.float64) for p in (x, y))
         centre = jax.lax.stop_gradient((jnp.sum(x, 0) + jnp.sum(y, 0)) / (x.shape[0] + y.shape[0]))
@@ -1711,31 +1675,25 @@ def _wide_squared_distance(first, second, fallback, tail):
 
 def _takes_error(tail, delta, eps):
     """Whether ``tail`` (the kernel as a function of d^2, in float64) moves by at most 16 eps of itself, and its
-    derivative (the gradient's factor) by at most 16 eps of itself, when d^2 errs by ``delta``: judged to first
-    order where the tails of stationary kernels are most sensitive, near zero: at 2 delta (the least d^2 not
-    taken as zero) and at 4 delta / eps (from there on, delta is within d^2's own float32 rounding, as in the
-    direct sum).
+    derivative (the gradient's factor) by at most 16 eps of itself, when d^2 errs by ``delta``: judged to first order
+    where the tails of stationary kernels are most sensitive, near zero: at 2 delta (the least d^2 not taken as zero)
+    and at 4 delta / eps (from there on, delta is within d^2's own float32 rounding, as in the direct sum).
 
     RBF, Matern 3/2 and 5/2 pass while delta is small; Matern 1/2 (a square root of d^2) never does: its
     derivative moves by half at 2 delta."""
-
     value, slope, curvature = _tail_derivatives(tail, jnp.stack([2 * delta, 4 * delta / eps]))
     value_moved, slope_moved = jnp.abs(slope) * delta, jnp.abs(curvature) * delta
     return jnp.all((value_moved <= 16 * eps * jnp.abs(value)) & (slope_moved <= 16 * eps * jnp.abs(slope)))
 
 
 def _squared_distance(first, second, fallback, precision):
-    """|steps(x - y)|^2 for every pair of a block, by the GEMM ``|a|^2 + |b|^2 - 2 a.b`` on centred, scaled
-    points wherever its error bound is within 4x the direct sum's; ``fallback()`` otherwise (the float64 GEMM, or
-    the direct sum).
-
-    The GEMM's d^2 has an error bound of about eps (|a|^2 + |b|^2 + 2 |a| |b|) <= 2 eps (|a|^2 + |b|^2), the
-    direct sum's eps d^2: so the GEMM vouches for a pair where d^2 >= (|a|^2 + |b|^2) / 2. Two pairs in a row
-    that it cannot vouch for (a duplicate point and a near one, say) are recomputed directly; a block with a
-    row with more falls back, recomputed in reverse mode (under ``vmap``, both run).
-    """
-    rows, cols = _rows_and_columns(first, second)
-    x, y = rows.point[:, 0], cols.point[0]  # [b, D] and [n, D]
+    """|steps(x - y)|^2 for every pair of a block, by the GEMM ``|a|^2 + |b|^2 - 2 a.b`` on centred, scaled points
+    wherever its error bound is within 4x the direct sum's; ``fallback()`` otherwise (the float64 GEMM, or the direct
+    sum). The GEMM's d^2 has an error bound of about eps (|a|^2 + |b|^2 + 2 |a| |b|) <= 2 eps (|a|^2 + |b|^2), the
+    direct sum's eps d^2: so the GEMM vouches for a pair where d^2 >= (|a|^2 + |b|^2) / 2. Two pairs in a row that it
+    cannot vouch for (a duplicate point and a near one, say) are recomputed directly; a block with a row with more falls
+    back, recomputed in reverse mode (under ``vmap``, both run)."""
+    rows, cols, x, y = _rows_and_columns(first, second)
     centre = (jnp.sum(x, 0) + jnp.sum(y, 0)) / (x.shape[0] + y.shape[0])
     a, b = rows.scaling(rows.point - centre)[:, 0], cols.scaling(cols.point - centre)[0]
     norms = jnp.sum(a * a, 1)[:, None] + jnp.sum(b * b, 1)[None, :]
@@ -1756,14 +1714,12 @@ def _squared_distance(first, second, fallback, precision):
 
 
 def _looped_sum(size, feature, form):
-    """The sum of ``feature(i)``, i < size, in a loop whose body is rematerialised, so that reverse mode
-    recomputes each feature from the points, and stores none.
-
-    Up to ``sum_chunk`` features are added one at a time; past that, chunks of ``sum_chunk`` features (more past 64, so
-    that there are at most 16) are summed pairwise, one chunk per step, and the remainder after them: an error
-    bound of at most (16 + log2 chunk) eps of the terms' sum, where added one at a time it grows as (size - 1)
-    eps, and a large d^2 (every pair far apart) carries its relative error into K's. Compensating the chunks'
-    sum (Kahan's) doubled the loop's time. The derivative (a sum in any order) is taken one feature a time:
+    """The sum of ``feature(i)``, i < size, in a loop whose body is rematerialised, so that reverse mode recomputes each
+    feature from the points, and stores none. Up to ``sum_chunk`` features are added one at a time; past that, chunks of
+    ``sum_chunk`` features (more past 64, so that there are at most 16) are summed pairwise, one chunk per step, and the
+    remainder after them: an error bound of at most (16 + log2 chunk) eps of the terms' sum, where added one at a time
+    it grows as (size - 1) eps, and a large d^2 (every pair far apart) carries its relative error into K's. Compensating
+    the chunks' sum (Kahan's) doubled the loop's time. The derivative (a sum in any order) is taken one feature a time:
     chunks in reverse mode took twice as long."""
     if size <= form.sum_chunk:
         return _one_at_a_time(size, feature)
@@ -1840,15 +1796,14 @@ def _by_vmap(eqn, args):
 
 class _Scaled:
     """A point (the kernel's argument, [B, 1, D] or [1, N, D]) held with the steps applied to it so far, each
-    multiplying or dividing by a value of neither point, or negating, as equation ``eqn`` did (with ``other``
-    at ``position`` among its arguments).
+    multiplying or dividing by a value of neither point, or negating, as equation ``eqn`` did (with ``other`` at
+    ``position`` among its arguments).
 
     Two points scaled by the same steps are subtracted before they are scaled: ``x/s - y/s`` is computed as
-    ``(x - y)/s``, so that equal points differ by exactly zero and near ones by their difference rounded
-    once. Scaled first, each point's rounding (XLA's float32 division is not even correctly rounded) enters
-    the difference, and a near-duplicate's gradient (GPJax's kernels) was off by far more than the vmap
-    form's, which XLA fuses pair by pair.
-    """
+    ``(x - y)/s``, so that equal points differ by exactly zero and near ones by their difference rounded once. Scaled
+    first, each point's rounding (XLA's float32 division is not even correctly rounded) enters the difference, and a
+    near-duplicate's gradient (GPJax's kernels) was off by far more than the vmap form's, which XLA fuses pair by
+    pair."""
 
     def __init__(self, point, form, steps=()):
         self.point, self.form, self.steps = point, form, steps
@@ -1868,11 +1823,6 @@ class _Scaled:
 
 def _evaluated(a):
     return a.scaling(a.point) if isinstance(a, _Scaled) else a
-
-
-def _scaled_inputs(first, second, form):
-    """The kernel's two arguments, as _Scaled where they are real floating points."""
-    return [_Scaled(p, form) if jnp.issubdtype(p.dtype, jnp.floating) else p for p in (first, second)]
 
 
 def _scaling_rule(eqn, args):
@@ -1921,11 +1871,9 @@ def _same_steps(s, t):
 
 
 def _vmap_or_no_cross_covariance(kernel, dim, dtype):
-    """Whether ``kernel`` has no ``cross_covariance``, or one that is exactly the vmap form.
-
-    Decided on the programs, not their printed text: the same equations with
-    the same parameters, wired the same way, and constants of equal value.
-    """
+    """Whether ``kernel`` has no ``cross_covariance``, or one that is exactly the vmap form. Decided on the programs,
+    not their printed text: the same equations with the same parameters, wired the same way, and constants of equal
+    value."""
     if not hasattr(kernel, "cross_covariance"):
         return True
     a, b = _probe_blocks(dim, dtype)
@@ -1943,11 +1891,10 @@ def _same_program(p, q):
 
 
 def _same_jaxpr(p, q):
-    names = {}  # p's variables -> q's
     lists = [(p.constvars, q.constvars), (p.invars, q.invars), (p.outvars, q.outvars), (p.eqns, q.eqns)]
     if any(len(u) != len(w) for u, w in lists) or p.effects != q.effects:
         return False
-    names.update(zip(p.constvars + p.invars, q.constvars + q.invars, strict=True))
+    names = dict(zip(p.constvars + p.invars, q.constvars + q.invars, strict=True))  # p's variables -> q's
     for e, f in zip(p.eqns, q.eqns, strict=True):
         if e.primitive is not f.primitive or len(e.invars) != len(f.invars) or len(e.outvars) != len(f.outvars):
             return False
@@ -1993,16 +1940,13 @@ _LAYERS.append(_pair_program_plan)
 
 # --- begin optional layer: measured blocks ---
 #
-# One block of K is not the peak: XLA keeps the temporaries the kernel's
-# computation needs (a checkpointed gradient holds several blocks), beside
-# arrays the size of the data. So the block comes from XLA's
-# ``temp_size_in_bytes`` for the program that runs, compiled on abstract
-# inputs. A gradient is a program of its own, known only when JAX
-# differentiates the product: the product is a ``jax.custom_jvp`` whose rule
-# sees which tangents are symbolic zeros, measures that gradient, and runs at
-# its block (``_measured_product``). The block is the fastest if its peak fits
-# ``max_memory_mb`` plus twice the data; else it shrinks (_fit). Peaks are
-# cached by the program and its plan (_peak_key).
+# One block of K is not the peak: XLA keeps the temporaries the kernel's computation needs (a checkpointed gradient
+# holds several blocks), beside arrays the size of the data. So the block comes from XLA's ``temp_size_in_bytes`` for
+# the program that runs, compiled on abstract inputs. A gradient is a program of its own, known only when JAX
+# differentiates the product: the product is a ``jax.custom_jvp`` whose rule sees which tangents are symbolic zeros,
+# measures that gradient, and runs at its block (``_measured_product``). The block is the fastest if its peak fits
+# ``max_memory_mb`` plus twice the data; else it shrinks (_fit). Peaks are cached by the program and its plan
+# (_peak_key).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2032,7 +1976,6 @@ class MeasuredBlocks:
     probe_options: tuple[tuple[str, object], ...]  # XLA's options for a block's measurement
 
     def product(self, op, rhs, dtype):
-        """``op @ rhs`` at the block measured for the program that runs: the product, or the gradient taken."""
         return _measured_product(op, rhs, dtype)
 
     def measure(self, op, width, wrt=(), cached_only=False):
@@ -2081,12 +2024,9 @@ _BLOCKS = {}  # (what decides the peak, limit) -> (rows, peak): the block chosen
 
 
 def _measured_product(op, rhs, dtype):
-    """``op @ rhs`` at the block measured for the program that runs: the product, or the gradient taken.
-
-    custom_jvp differentiates only explicit inputs, so the tracers the kernel
-    closes over (a hyperparameter under ``grad``, say) are passed in as inputs,
-    and replaced by them in the traced product.
-    """
+    """``op @ rhs`` at the block measured for the program that runs: the product, or the gradient taken. custom_jvp
+    differentiates only explicit inputs, so the tracers the kernel closes over (a hyperparameter under ``grad``, say)
+    are passed in as inputs, and replaced by them in the traced product."""
     width = rhs.shape[1]
     if not (op.checkpoint and jnp.issubdtype(dtype, jnp.inexact)):  # no gradient within the budget
         measured, refined = _measured_block(op, width, dtype, with_form=True)
@@ -2165,15 +2105,11 @@ def _kernel_program(op):
 def _measured_block(
     op, width, dtype, given=None, cached_only=False, differentiated=None, refined=True, with_form=False
 ):
-    """The block for ``op @ X``, X [N, width] of ``dtype``, and its measured peak; ``with_form``, and whether the
-    plan's product runs (``refined``): where its peak does not fit the budget, blocks contracted may.
-
-    ``differentiated``: None for the product; for its gradient, a flag for
-    each input (op's pytree leaves, X, then ``_closed_over(op)``): is the
-    gradient taken with respect to it. ``given`` rows are measured as they
-    are, ``refined`` or not. With ``cached_only``, nothing is compiled: the
-    answer if it is known, else None.
-    """
+    """The block for ``op @ X``, X [N, width] of ``dtype``, and its measured peak; ``with_form``, and whether the plan's
+    product runs (``refined``): where its peak does not fit the budget, blocks contracted may. ``differentiated``: None
+    for the product; for its gradient, a flag for each input (op's pytree leaves, X, then ``_closed_over(op)``): is the
+    gradient taken with respect to it. ``given`` rows are measured as they are, ``refined`` or not. With
+    ``cached_only``, nothing is compiled: the answer if it is known, else None."""
     key = (_peak_key(op, width, dtype), differentiated)
     m = op.shape[0]
 
@@ -2207,12 +2143,9 @@ def _measured_block(
 
 
 def _fastest_rows(op, gradient):
-    """The block before the budget is measured: ``batch_size_row``, at most the plan's fastest block.
-
-    A gradient's is at most half the rows: XLA compiles a loop of one iteration as straight-line code, scheduled
-    with the loss around it, which the measured program lacks; such a gradient's peak reached 1.33x the
-    measured one.
-    """
+    """The block before the budget is measured: ``batch_size_row``, at most the plan's fastest block. A gradient's is at
+    most half the rows: XLA compiles a loop of one iteration as straight-line code, scheduled with the loss around it,
+    which the measured program lacks; such a gradient's peak reached 1.33x the measured one."""
     sizing = op.plan.sizing
     fastest = sizing.gradient_block_bytes if gradient else sizing.block_bytes
     rows = min(max(sizing.min_block_rows, fastest // (op.dtype.itemsize * max(op.shape[1], 1))), op.batch_size_row)
@@ -2220,12 +2153,9 @@ def _fastest_rows(op, gradient):
 
 
 def _fit(peak, rows, limit):
-    """Rows, at most ``rows``, whose measured ``peak(rows)`` fits ``limit`` (else 1); and that peak. A peak of inf
-    (too large to compile) halves the block first.
-
-    A block that must shrink is aimed 10% under where the fitted line meets
-    the limit: XLA's peaks wander around the line, and each miss costs a compile.
-    """
+    """Rows, at most ``rows``, whose measured ``peak(rows)`` fits ``limit`` (else 1); and that peak. A peak of inf (too
+    large to compile) halves the block first. A block that must shrink is aimed 10% under where the fitted line meets
+    the limit: XLA's peaks wander around the line, and each miss costs a compile."""
     at_rows = peak(rows)
     while math.isinf(at_rows) and rows > 1:  # too large to compile: halve until a peak is measured
         rows = max(1, rows // 2)
@@ -2259,21 +2189,13 @@ def _check_fit(at_rows, limit, op):
 
 
 def _compiled_peak(op, width, dtype, rows, differentiated, refined=True):
-    """XLA's temporaries in bytes for ``op @ X`` at ``rows`` rows per block, or for its gradient (``refined``: by
-    the plan's product, as _product's).
-
-    The gradient is in reverse mode with respect to the inputs
-    ``differentiated`` flags (see _measured_block). The programs
-    take abstract inputs: the kernel's arrays, x1, x2, X, and the tracers the
-    kernel closes over.
-    """
+    """XLA's temporaries in bytes for ``op @ X`` at ``rows`` rows per block, or for its gradient (``refined``: by the
+    plan's product, as _product's). The gradient is in reverse mode with respect to the inputs ``differentiated`` flags
+    (see _measured_block). The programs take abstract inputs: the kernel's arrays, x1, x2, X, and the tracers the kernel
+    closes over."""
     leaves, treedef = jax.tree_util.tree_flatten(op.kernel)
-    inputs = {
-        "kernel": [_spec(a) for a in leaves if _is_array(a)],
-        "x1": [_spec(op.x1)],
-        "x2": [_spec(op.x2)],
-        "rhs": [jax.ShapeDtypeStruct((op.shape[1], width), dtype)],
-    }
+    kernel_arrays = [_spec(a) for a in leaves if _is_array(a)]
+    points_and_rhs = (_spec(op.x1), _spec(op.x2), jax.ShapeDtypeStruct((op.shape[1], width), dtype))
 
     def product(kernel, x1, x2, rhs):
         arrays = iter(kernel)
@@ -2282,10 +2204,9 @@ def _compiled_peak(op, width, dtype, rows, differentiated, refined=True):
         measured = LazyKernel(kernel, x2, x1, **settings).T if op.transposed else LazyKernel(kernel, x1, x2, **settings)
         return _product(measured, rhs, dtype, rows, refined)
 
-    closed = jax.make_jaxpr(product)(inputs["kernel"], *inputs["x1"], *inputs["x2"], *inputs["rhs"])
+    closed = jax.make_jaxpr(product)(kernel_arrays, *points_and_rhs)
     closed_over = _closed_over(op)
-    inputs["closed_over"] = [_spec(c) for c in closed_over]
-    specs = [spec for group in inputs.values() for spec in group]
+    specs = [*kernel_arrays, *points_and_rhs, *map(_spec, closed_over)]
     given = len(specs) - len(closed_over)
 
     def run(*args):
@@ -2307,12 +2228,9 @@ def _compiled_peak(op, width, dtype, rows, differentiated, refined=True):
 
 
 def _value_and_pullback(run, moved, *args):
-    """``run``'s value and its pullback of a cotangent (the last of ``args``) to the inputs ``moved`` flags.
-
-    What any loss of the product needs. Not ``grad(sum(run))``: a loss that
-    is linear in the product lets XLA drop the forward loop, and a nonlinear
-    loss (sin, say) then needed up to 1.9x that program's temporaries.
-    """
+    """``run``'s value and its pullback of a cotangent (the last of ``args``) to the inputs ``moved`` flags. What any
+    loss of the product needs. Not ``grad(sum(run))``: a loss that is linear in the product lets XLA drop the forward
+    loop, and a nonlinear loss (sin, say) then needed up to 1.9x that program's temporaries."""
     *args, cotangent = args
     value, pullback = jax.vjp(_of_moved(lambda a: run(*a), args, moved), *_moved(args, moved))
     return value, pullback(cotangent)
@@ -2325,12 +2243,9 @@ def _spec(a):
 
 
 def _peak_key(op, width, dtype):
-    """What decides the peak: the settings, shapes and dtypes, the kernel's program and its plan.
-
-    A kernel whose pytree leaves are all arrays is known by its structure (no
-    trace). Any other (a closure, say, made anew in every trace) by its block's
-    program on small blocks, which costs a trace but no compile.
-    """
+    """What decides the peak: the settings, shapes and dtypes, the kernel's program and its plan. A kernel whose pytree
+    leaves are all arrays is known by its structure (no trace). Any other (a closure, say, made anew in every trace) by
+    its block's program on small blocks, which costs a trace but no compile."""
     leaves, treedef = jax.tree_util.tree_flatten(op.kernel)
     kernel = (treedef, tuple(_spec(a) for a in leaves)) if all(map(_is_array, leaves)) else None
     try:
@@ -2380,17 +2295,14 @@ _LAYERS.append(_measured_blocks_plan)
 # Which kernels, D and chips the form takes is the plan's (_fused_refuses); which digits, the data's.
 #
 # A step per feature (lengthscales per feature) is taken into the points: the grid is that of s_d x_d, each
-# product of two float32 values exact in float64, and the rule's s is 1 (R that of the scaled points). The fused
-# backward scales the points' cotangents by s_d^2 after, and sums C tail' (x_d - y_d)^2 per feature for s_d^2's.
+# product of two float32 values exact in float64, and the rule's s is 1 (R that of the scaled points); the fused
+# backward scales the points' cotangents by s_d^2 after (_fused_cotangents).
 #
 # Derivatives: the product is a primitive of its own (_fused_primitives). Forward mode, and anything of second
 # order, is the unfused form's. Reverse mode of K @ v (one operand column) runs a second Pallas kernel per block
-# (_fused_backward_kernel): d^2 as above gives K, tail' and the tail's constants' cotangents; the points'
-# cotangents sum C tail' 2 s^2 (x_i - y_j) per feature on the vector unit, the differences taken pair by pair
-# (nothing cancels). The cotangent of s^2, sum C tail' |x - y|^2, is the grid's d^2 corrected by the grid's moves
-# against the points' cotangents; where pairs nearer than the grid's step carry its weight, a second pass sums the
-# differences' squares (_fused_cotangents). It runs where the rule vouches with lambda bounding |tail'' / tail'|
-# too, up to D = fused_backward_features_max; elsewhere, and for wider operands, the unfused form's vjp.
+# (_fused_backward_kernel; the cotangent of s^2 from the grid's d^2: _fused_cotangents) where the rule vouches with
+# lambda bounding |tail'' / tail'| too, up to D = fused_backward_features_max; elsewhere, and for wider operands, the
+# unfused form's vjp.
 
 try:  # bound once, as JAX's Pallas TPU kernels bind them
     from jax.experimental import pallas as pl
@@ -2440,8 +2352,7 @@ class FusedProduct:
 
     tiles: FusedTiles
     packings: tuple  # (digits, "bf16" or "int8", its _Chunks) for each digit count, fewest first
-    backward: bool  # reverse mode of K @ v by the fused backward (D <= fused_backward_features_max), else by the
-    # unfused form's vjp
+    backward: bool  # reverse mode of K @ v fused (D <= fused_backward_features_max), else the unfused form's vjp
     width_max: int  # operand columns it takes
     interpret: bool  # the Pallas kernels interpreted (interpret_pallas), else compiled for the chip
 
@@ -2456,8 +2367,7 @@ class FusedProduct:
     def rows_times(self, op, x1, x2, rhs, rows_times):
         """The engine's ``rows_times`` by the fused form where this layer's rule vouches for the points, else by
         ``rows_times`` (whose derivatives both use); ``rows_times`` itself where the fused form does not take the
-        product: an operand wider than ``width_max``. The columns' digits count in the product's peak, which
-        ``max_memory_mb`` bounds (where measured blocks cannot fit it, they run without this product)."""
+        product: an operand wider than ``width_max``."""
         kernel, transposed, plan = op.kernel, op.transposed, op.plan
         n, width, dim = x2.shape[0], rhs.shape[1], x1.shape[1]
         if rhs.dtype != jnp.float32 or not (0 < width <= self.width_max and n and x1.shape[0]):
@@ -2469,18 +2379,16 @@ class FusedProduct:
         if isinstance(fusion, str):
             return rows_times
         per_feature = jnp.ndim(fusion.step) == 1  # its step in the grid's points
-        fused_backward = width == 1 and self.backward
         grid = _grid(x1, x2, fusion.step if per_feature else None)
         verdicts = _verdicts(grid, fusion, dim, self)
-        tile_cols, columns = _tile(n, self.tiles.cols, 128)
+        columns = _tile(n, self.tiles.cols, 128)[1]
         points = jax.lax.stop_gradient(_padded(x2, columns))
         packed = []
         for (digits, variant, chunks), verdict in zip(self.packings, verdicts, strict=True):
             cols, col_norms = _packed(_digits(points, verdict.grid, digits), chunks, variant, False)
             packed.append((cols, col_norms.T))
-        kernels = tuple(
-            functools.partial(_fused_product, tail=fusion.tile_tail, form=self, digits=d) for d, _, _ in self.packings
-        )
+        counts = tuple(digits for digits, _, _ in self.packings)
+        kernels = tuple(functools.partial(_fused_product, tail=fusion.tile_tail, form=self, digits=d) for d in counts)
         fallback = lambda rows, cols, rhs, *consts: _contract(  # noqa: E731
             plan.block.make(lambda x, y: pair(x, y, *consts), rows, cols, transposed), rhs, plan, width
         )
@@ -2491,16 +2399,12 @@ class FusedProduct:
             return zero_fusion.step * zero_fusion.step, zero_fusion.tile_consts
 
         backward, backward_vouched, moves = None, (), ()
-        if fused_backward:
-            back = [
-                functools.partial(_fused_backward, tail=fusion.tile_tail, form=self, digits=d)
-                for d, _, _ in self.packings
-            ]
-            backward = _FusedBackward(tuple(back), scalars, fallback, tuple(d for d, _, _ in self.packings))
+        if width == 1 and self.backward:
+            back = tuple(functools.partial(_fused_backward, tail=fusion.tile_tail, form=self, digits=d) for d in counts)
+            backward = _FusedBackward(back, scalars, fallback, counts)
             backward_vouched = tuple(v.vouched for v in _verdicts(grid, fusion, dim, self, derivative=True))
             moves = tuple(
-                None if per_feature else _grid_moves(points, v.grid, d)
-                for (d, _, _), v in zip(self.packings, verdicts, strict=True)
+                None if per_feature else _grid_moves(points, v.grid, d) for d, v in zip(counts, verdicts, strict=True)
             )
         given = _FusedOperands(tuple(packed), _fused_operand(rhs, columns), verdicts, points, backward_vouched, moves)
         return lambda rows: _fused_or_fallback((kernels, backward), fallback, given, rows, x2, rhs, *consts)
@@ -2584,8 +2488,7 @@ def _on_tile(tail, consts, *inputs):
             return [inline(args)[0]]
         if eqn.primitive.name in _TILE_RESHAPES:
             return args[:1]
-        shape = jnp.broadcast_shapes(*(a.shape for a in args))
-        return _bind(eqn, [jnp.broadcast_to(a, shape) for a in args])
+        return _bind_broadcast(eqn, args)
 
     return _evaluate(tail, consts, inputs, equation, lambda var: var.val)[0]
 
@@ -2646,18 +2549,14 @@ class _Chunk(NamedTuple):
     plain: int  # its index among the unfolded chunks' norms, or -1
 
 
-def _levels(digits):
-    """For each level l, the digit pairs (i, j) with i + j = l."""
-    return [[(i, level - i) for i in range(digits) if 0 <= level - i < digits] for level in range(2 * digits - 1)]
-
-
 def _fused_chunks(dim, digits, settings):
     """The exact products of a block on ``dim`` features of ``digits`` digits: the variant ("bf16" or "int8")
     and its chunks, by level."""
     variant = "int8" if dim >= settings.fused_int8_features_min else "bf16"
     passes = lambda columns: -(-columns // 128)  # noqa: E731
     pieces = []
-    for level, pairs in enumerate(_levels(digits)):
+    for level in range(2 * digits - 1):
+        pairs = [(i, level - i) for i in range(digits) if 0 <= level - i < digits]  # i + j = level
         columns = [(i, j, d) for i, j in pairs for d in range(dim)]
         if variant == "int8":  # exact below 2^31: one product per level up to D = 8191
             sizes, fold = [len(columns)], False
@@ -2689,10 +2588,9 @@ def _in_pieces(total, most):
 
 
 def _grid(x1, x2, scale=None):
-    """The fused form's grid for the points of x1 and x2 [n, D] (each feature times ``scale``, [D] float32, where
-    given: a step per feature, taken into the grid): per feature the middle m of their range, and R >= every
-    |x - m| (float32, rounded up from float64, where the difference of two float32 values, or their product, is
-    exact); and ``scale``."""
+    """The fused form's grid for the points of x1 and x2 [n, D] (each feature times ``scale``, [D] float32, where given:
+    a step per feature, taken into the grid): per feature the middle m of their range, and R >= every |x - m| (float32,
+    rounded up from float64, where the difference of two float32 values, or their product, is exact); and ``scale``."""
     x1, x2 = jax.lax.stop_gradient((x1, x2))
     low, high = jnp.minimum(jnp.min(x1, 0), jnp.min(x2, 0)), jnp.maximum(jnp.max(x1, 0), jnp.max(x2, 0))
     with _float64():
@@ -2789,13 +2687,9 @@ def _tile_squared_distances(rows, row_norms, cols, col_norms, scales, chunks, va
 
     for level in reversed(range(levels)):  # the lowest first: its carries reach the sums above
         for chunk in (c for c in chunks if c.level == level):
-            a, b = (
-                rows[:, chunk.offset : chunk.offset + chunk.padded],
-                cols[chunk.offset : chunk.offset + chunk.padded, :],
-            )
-            part = jax.lax.dot(
-                a, b, precision=jax.lax.Precision.DEFAULT, preferred_element_type=accumulate
-            )  # exact: digits
+            columns = slice(chunk.offset, chunk.offset + chunk.padded)
+            a, b = rows[:, columns], cols[columns, :]
+            part = jax.lax.dot(a, b, precision=jax.lax.Precision.DEFAULT, preferred_element_type=accumulate)  # exact
             if not chunk.fold:  # bf16's columns hold -2 b already
                 norms = row_norms[:, chunk.plain : chunk.plain + 1] + col_norms[chunk.plain : chunk.plain + 1, :]
                 part = norms - (part + part) if variant == "int8" else norms + part
@@ -3268,20 +3162,18 @@ def _fused_primitives():
         tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
         return jax.jvp(functools.partial(tangent_of, **params), tuple(primals), tangents)
 
+    def vmapped(impl, args, dims, **params):  # the batching rule: ``impl`` vmapped
+        return jax.vmap(functools.partial(impl, **params), in_axes=dims)(*args), 0
+
     for primitive, impl in ((product, _fused_value), (tangent, tangent_of)):
         primitive.def_impl(impl)
         primitive.def_abstract_eval(lambda rows, cols, rhs, *_, **__: rhs.update(shape=(rows.shape[0], rhs.shape[1])))
         mlir.register_lowering(primitive, mlir.lower_fun(impl, multiple_results=False))
-        batching.primitive_batchers[primitive] = functools.partial(_vmapped, impl)
+        batching.primitive_batchers[primitive] = functools.partial(vmapped, impl)
     ad.primitive_jvps[product] = product_jvp
     ad.primitive_jvps[tangent] = tangent_jvp
     ad.primitive_transposes[tangent] = transpose
     return product, tangent
-
-
-def _vmapped(impl, args, dims, **params):
-    """A fused primitive's batching rule: its ``impl`` vmapped."""
-    return jax.vmap(functools.partial(impl, **params), in_axes=dims)(*args), 0
 
 
 _LAYERS.append(_fused_plan)
