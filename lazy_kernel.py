@@ -1217,8 +1217,9 @@ def _tail_derivatives(tail, at):
 #
 # On a CPU the program runs every kernel it takes, summing over more than a few features in a loop. On an
 # accelerator the vector unit's lanes hold those features, mostly empty at small D: there the program writes
-# features out at small D (values only: its derivatives compiled slowly and ran slower), and from
-# gemm_features_min runs where d^2 is the GEMM. bench_lazy_kernel.py measured each constant (its docstring says how).
+# features out at small D (values only: its derivatives compiled slowly and ran slower); past them it runs float32
+# kernels of a squared distance, summed at once (values only) and from gemm_features_min by the GEMM, so that the
+# fused form stands on it. bench_lazy_kernel.py measured each constant (its docstring says how).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1305,15 +1306,16 @@ class SquaredDistance(NamedTuple):
 
 def _pair_program_plan(plan, kernel, dim, dtype):
     """The plan's block by the pair program where it takes the kernel: on a CPU at every D, off it where features
-    are written out, or (float32) where d^2 is the GEMM; else the plan as it was, and why."""
+    are written out, or past them (float32) for a kernel of a squared distance; else the plan as it was, and why."""
     on_cpu, float32, settings = plan.backend == "cpu", dtype == jnp.float32, SETTINGS
     gemm = dim >= settings.gemm_features_min and (float32 or (on_cpu and dtype == jnp.float64))  # float64: CPU only
     wide = on_cpu and float32 and dim >= settings.wide_gemm_features_min and _float64_in_traces()
     if not settings.pair_program:
         return plan.noted("not the pair program: SETTINGS.pair_program is off")
-    if not (on_cpu or dim in settings.accelerator_features or gemm):
-        return plan.noted(f"not the pair program: D = {dim} off the CPU, with no GEMM for d^2")
-    values_only = not on_cpu and dim in settings.accelerator_features
+    past_written_out = not on_cpu and float32 and dim > max(settings.accelerator_features)  # kernels of a d^2 only
+    if not (on_cpu or dim in settings.accelerator_features or past_written_out):
+        return plan.noted(f"not the pair program: D = {dim} in {jnp.dtype(dtype).name} off the CPU")
+    values_only = not (on_cpu or gemm)
     wide_bytes = settings.accelerator_wide_block_bytes
     form = PairProgramForm(
         values_only=values_only,
@@ -1325,7 +1327,7 @@ def _pair_program_plan(plan, kernel, dim, dtype):
         chunked_derivative=_JAX_VERSION >= (0, 10),  # 0.4.30's scan transpose rejected it (0.5 to 0.9 untried)
         fastest_bytes=None if on_cpu else (wide_bytes, None if values_only else wide_bytes // 2),
     )
-    reason = _pair_program_refuses(kernel, dim, dtype, form, by_gemm_only=not (on_cpu or values_only))
+    reason = _pair_program_refuses(kernel, dim, dtype, form, distance_only=past_written_out)
     if reason:
         return plan.noted(f"not the pair program: {reason}")
     if wide and not _tails_widen(kernel, dim, dtype, form):  # the float64 GEMM needs the tail in float64
@@ -1333,17 +1335,17 @@ def _pair_program_plan(plan, kernel, dim, dtype):
     return dataclasses.replace(plan, block=form)
 
 
-def _pair_program_refuses(kernel, dim, dtype, form, by_gemm_only):
+def _pair_program_refuses(kernel, dim, dtype, form, distance_only):
     """Why the pair program cannot make blocks of ``kernel`` as ``form`` says, or None: it takes a kernel without
-    effects whose ``cross_covariance``, if any, is the vmap form; ``by_gemm_only``, one with a squared distance."""
+    effects whose ``cross_covariance``, if any, is the vmap form; ``distance_only``, one with a squared distance."""
     point = jax.ShapeDtypeStruct((dim,), dtype)
     if not _vmap_or_no_cross_covariance(kernel, dim, dtype):
         return "a cross_covariance of its own"
     if _pair_program(kernel, point, point).jaxpr.effects:
         return "a kernel with effects"
     direct = dataclasses.replace(form, squared_distances=())  # enough to see whether the program has a d^2
-    if by_gemm_only and not _probe_run(kernel, dim, dtype, direct).distances:
-        return f"D = {dim} off the CPU, with no squared distance for the GEMM"
+    if distance_only and not _probe_run(kernel, dim, dtype, direct).distances:
+        return f"D = {dim} off the CPU, with no squared distance"
     return None
 
 

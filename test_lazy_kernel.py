@@ -1859,18 +1859,16 @@ def test_zoo_hessians_match_the_vmap_form(name):
 
 @pytest.mark.parametrize("backend", ["cpu", "tpu"])
 def test_which_path_blocks_take(backend, monkeypatch):
-    """On CPU the pair program takes every D; on an accelerator, D in accelerator_features, and from
-    gemm_features_min kernels whose squared distances of float32 points it takes by the GEMM."""
+    """On CPU the pair program takes every D; on an accelerator, D in accelerator_features, and past them kernels of
+    a squared distance of float32 points (by the GEMM from gemm_features_min)."""
     plan_for(monkeypatch, backend)
     on_cpu, few, pair = backend == "cpu", max(DEFAULTS.accelerator_features), "pair program"
     assert lazy_kernel.block_evaluation(RBF(), few) == lazy_kernel.block_evaluation(skewed, few) == pair
-    assert lazy_kernel.block_evaluation(RBF(), few + 1) == (pair if on_cpu else "vmap")
-    many = DEFAULTS.gemm_features_min
-    assert lazy_kernel.block_evaluation(RBF(), many) == pair
-    assert lazy_kernel.block_evaluation(RBF(), many, jnp.float64) == (pair if on_cpu else "vmap")
-    assert lazy_kernel.block_evaluation(functools.partial(scaled_laplace, scale=1.3), many) == (
-        pair if on_cpu else "vmap"
-    )
+    laplace = functools.partial(scaled_laplace, scale=1.3)
+    for dim in (few + 1, DEFAULTS.gemm_features_min):
+        assert lazy_kernel.block_evaluation(RBF(), dim) == pair
+        assert lazy_kernel.block_evaluation(RBF(), dim, jnp.float64) == (pair if on_cpu else "vmap")
+        assert lazy_kernel.block_evaluation(laplace, dim) == (pair if on_cpu else "vmap")
     sorting = ZOO["sorted-D6-float64"][0](None)
     assert lazy_kernel.block_evaluation(sorting, 6) == "pair program (by vmap: sort)"
     debug = ZOO["debug-print-D3-float64"][0](None)
@@ -2503,6 +2501,7 @@ def assert_as_accurate_as_the_vmap_form(name, data, ls, dtype, x64, weights, fac
 
 ACCELERATOR_ACCURACY_CASES = [  # (D, x64): x64 off only at the GEMM; written out, no float64 step for it to change
     (max(DEFAULTS.accelerator_features), True),
+    pytest.param(max(DEFAULTS.accelerator_features) + 1, True, marks=SLOW),  # summed at once, values only
     pytest.param(DEFAULTS.gemm_features_min, True, marks=SLOW),
     pytest.param(DEFAULTS.gemm_features_min, False, marks=SLOW),
 ]
@@ -2788,7 +2787,7 @@ def test_fused_form_asks_the_chip_for_its_vmem(monkeypatch):
 @FUSED_ON_CPU
 @pytest.mark.parametrize(
     "dim, width, count",
-    [(16, 1, 3), *(pytest.param(*c, marks=SLOW) for c in [(64, 64, 4), (128, 5, 3), (16, 300, 3)])],
+    [(16, 1, 3), *(pytest.param(*c, marks=SLOW) for c in [(64, 64, 4), (96, 16, 3), (128, 5, 3), (16, 300, 3)])],
 )
 def test_fused_products_match_numpy(dim, width, count, monkeypatch):
     """K @ X and X @ K by the fused form of ``count`` digits (Pallas interpreted here) against NumPy float64 on
@@ -3579,6 +3578,7 @@ def linear_loss_oracle(x1, x2, ls, variance, v, w, wide):
         (128, 3, 0.0, 16384, False, 512),
         (256, 4, 1000.0, 8192, False, 16),
         (64, 3, 0.0, 16384, True, 300),
+        (96, 3, 1000.0, 16384, True, 128),  # past the features written out: on blocks summed at once
     ],
 )
 def test_fused_form_at_scale(dim, digits, offset, n, per_feature, width, device, monkeypatch):
