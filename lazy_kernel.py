@@ -2811,10 +2811,10 @@ def _fused_backward_kernel(tail, chunks, variant, squares, per_feature, scalars_
         difference = column - yt_ref[pl.ds(feature, 1), :]  # y[:, feature] as a row, read by its index
         if squares:
             sums["summed"] = sums["summed"] + difference * difference
-        if per_feature:
-            by_lanes = _lane_sums(jnp.sum(by_d2 * (difference * difference), 0, keepdims=True))
-            sums["by_feature"] = sums["by_feature"] + jnp.where(lane_features == feature, by_lanes, 0.0)
         products = a * difference
+        if per_feature:  # s^2 = 1: products times the difference is 2 C tail' (x_d - y_d)^2, halved after the loop
+            by_lanes = _lane_sums(jnp.sum(products * difference, 0, keepdims=True))
+            sums["by_feature"] = sums["by_feature"] + jnp.where(lane_features == feature, by_lanes, 0.0)
         g2_ref[0, pl.ds(feature, 1), :] = -jnp.sum(products, 0, keepdims=True)
         sums["g1"] = sums["g1"] + jnp.where(in_column, jnp.sum(_lane_sums(products), 1, keepdims=True), 0.0)
         return sums
@@ -2826,7 +2826,7 @@ def _fused_backward_kernel(tail, chunks, variant, squares, per_feature, scalars_
     g1, summed, by_feature = sums["g1"], sums.get("summed"), sums.get("by_feature")
     g1_ref[...] += g1
     if per_feature:
-        by_s2 = [by_feature[feature : feature + 1] for feature in range(x.shape[1])]
+        by_s2 = [0.5 * by_feature[feature : feature + 1] for feature in range(x.shape[1])]
     else:
         weights = jnp.abs(by_d2)
         by_s2 = (
