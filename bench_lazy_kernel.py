@@ -42,7 +42,7 @@ The fields of lazy_kernel.SETTINGS, and what these modes measured for them:
     fused_features_min = 16       --fused (TPU v5e): at D = 3 the unfused form took 0.24x the fused one's time
     fused_backward_features_max = 64  --fused-gradient's programs (v5e, N = 16384), the setting raised: at D = 256
                                   the fused backward took 6.26x the GEMM RBF's gradient, the unfused vjp 1.31x; at
-                                  64 per feature 2.99x (44 s to compile), the unfused vjp 6.82x (37 s)
+                                  64 per feature 2.75x (45 s to compile), the unfused vjp 6.82x (37 s)
     fused_width_max = 512         --fused --columns 128,512 (v5e, N = 32768): fused K @ X at 128 and 512 columns
                                   took 0.65x to 1.08x the GEMM RBF's time, the unfused form 1.04x to 3.48x
     the pair program's own derivatives (TPU v5e): one gradient of its block compiled for minutes, and at D = 8
@@ -764,6 +764,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kernels", type=int, metavar="N")
     parser.add_argument("--first-use", type=int, metavar="N")
+    parser.add_argument("--repeats", type=int, default=3, help="--first-use: new shapes per row (after one warm-up)")
     parser.add_argument("--eager", type=int, metavar="N")
     parser.add_argument("--split", type=int, metavar="N")
     parser.add_argument("--blocks", type=int, metavar="N")
@@ -805,7 +806,7 @@ def main():
     if args.kernels:
         kernels_table(args.kernels, gpjax)
     if args.first_use:
-        first_use_table(args.first_use, gpjax, only, **dims)
+        first_use_table(args.first_use, gpjax, only, repeats=args.repeats, **dims)
     if args.eager:
         eager_table(args.eager, gpjax)
     if args.split:
