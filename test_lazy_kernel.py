@@ -2860,7 +2860,7 @@ def test_fused_gradients_with_a_lengthscale_per_feature(name, monkeypatch):
 
 
 @FUSED_ON_CPU
-@pytest.mark.parametrize("dim", [64, 128])  # 128: the next D the fused form takes
+@pytest.mark.parametrize("dim", [64, 65])  # 65: the first D whose gradient the unfused vjp takes
 def test_fused_backward_with_a_step_per_feature_to_its_most_features(dim, monkeypatch):
     """A step per feature: the gradient's program holds the fused backward's kernels (one per digit count, beside
     the product's) up to fused_backward_features_max features; above, the product's alone (the unfused form's vjp),
