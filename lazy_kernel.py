@@ -2332,7 +2332,7 @@ class Settings(Settings):
     interpret_pallas: bool = False  # True: the fused kernels run interpreted, on any backend (the tests' on a CPU)
     fused_features_min: int = 16  # on a TPU, the fused product from here (bench --fused)
     fused_width_max: int = 512  # operand columns the fused product takes; a wider operand gets the unfused form
-    fused_backward_features_max: int = 64  # the fused backward to here, the unfused vjp above (its work grows with D)
+    fused_backward_features_max: int = 127  # the fused backward to here; above, the unfused vjp (by the GEMM's d^2)
     fused_int8_features_min: int = 128  # digits in int8 from here (half bf16's matrix-unit time, more vector work)
     digit_counts: tuple[int, ...] = (3, 4)  # signed 8-bit digits per coordinate: the fewest the rule vouches for
     fused_tiles: FusedTiles = FusedTiles()

@@ -2816,8 +2816,9 @@ def test_fused_products_match_numpy(dim, width, count, monkeypatch):
 @FUSED_ON_CPU
 @pytest.mark.parametrize(
     "name, dim",
-    [("rbf-module", 18), pytest.param("gpjax-Matern52", 16, marks=SLOW)],  # D = 64: test_fused_gradients_on_real_data
-)  # 18: the backward's loop over features takes 4 a step, then the 2 left
+    [("rbf-module", 18), pytest.param("gpjax-Matern52", 16, marks=SLOW), pytest.param("rbf-module", 96, marks=SLOW)],
+)  # 18: the backward's loop over features takes 4 a step, then the 2 left; 96: on blocks summed at once (D = 64:
+# test_fused_gradients_on_real_data)
 def test_fused_gradients_as_accurate_as_the_vmap_form(name, dim, monkeypatch):
     """The checkpointed gradient of sum(sin(K @ v)) in the lengthscale, the points and v, by the
     fused backward (a TPU faked, Pallas interpreted): against NumPy float64, within 4x the vmap form's error plus
@@ -2860,7 +2861,7 @@ def test_fused_gradients_with_a_lengthscale_per_feature(name, monkeypatch):
 
 
 @FUSED_ON_CPU
-@pytest.mark.parametrize("dim", [64, 65])  # 65: the first D whose gradient the unfused vjp takes
+@pytest.mark.parametrize("dim", [127, 128])  # the fused backward's last D, and the first of d^2 by the GEMM
 def test_fused_backward_with_a_step_per_feature_to_its_most_features(dim, monkeypatch):
     """A step per feature: the gradient's program holds the fused backward's kernels (one per digit count, beside
     the product's) up to fused_backward_features_max features; above, the product's alone (the unfused form's vjp),
