@@ -40,9 +40,10 @@ The fields of lazy_kernel.SETTINGS, and what these modes measured for them:
                                   Matern52, Laplace), 0.90x at 256 (N = 65536; 1.03x at 32768); the gradient by the
                                   GEMM (half the bytes) 0.94x at 256; at D = 3 (vmap derivatives) 2x rows took 1.45x
     fused_features_min = 16       --fused (TPU v5e): at D = 3 the unfused form took 0.24x the fused one's time
-    fused_backward_features_max = 64  --fused-gradient's programs (v5e, N = 16384), the setting raised: at D = 256
-                                  the fused backward took 6.26x the GEMM RBF's gradient, the unfused vjp 1.31x; at
-                                  64 per feature 2.75x (45 s to compile), the unfused vjp 6.82x (37 s)
+    fused_backward_features_max = 127  --fused-gradient's programs (v5e, N = 16384), the setting moved: at D = 96
+                                  the fused backward took 2.85x the GEMM RBF's gradient (per feature 3.63x), the
+                                  vmap form's derivatives 8.93x; at 256 the fused backward 6.26x, the unfused vjp
+                                  1.31x; at 64 per feature 2.75x (45 s to compile), the unfused vjp 6.82x (37 s)
     fused_width_max = 512         --fused --columns 128,512 (v5e, N = 32768): fused K @ X at 128 and 512 columns
                                   took 0.65x to 1.08x the GEMM RBF's time, the unfused form 1.04x to 3.48x
     the pair program's own derivatives (TPU v5e): one gradient of its block compiled for minutes, and at D = 8
