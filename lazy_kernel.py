@@ -1153,8 +1153,8 @@ def _float64_in_traces():
 
 
 def _in_float64(program):
-    """A ClosedJaxpr of one float32 scalar as a function run on float64 values (float32 constants, literals and
-    casts widened), to be called under _float64(); None where the program does not run so. In float32, a Matern
+    """A ClosedJaxpr to one scalar as a function run on float64 values (float32 constants, literals, casts and
+    arguments widened), to be called under _float64(); None where the program does not run so. In float32, a Matern
     kernel's polynomial times exp cancels near zero, and its derivatives there were rounding noise."""
 
     def widened(value):
@@ -1170,13 +1170,14 @@ def _in_float64(program):
             params["new_dtype"] = jnp.dtype(jnp.float64)
         return _bind(eqn, args, params)
 
-    def run(at):
+    def run(*args):
         consts = list(map(widened, program.consts))
-        return _evaluate(program.jaxpr, consts, [at], equation, lambda var: widened(var.val), widened)[0].reshape(())
+        return _evaluate(program.jaxpr, consts, args, equation, lambda var: widened(var.val), widened)[0].reshape(())
 
+    wide = [jax.ShapeDtypeStruct(a.shape, jnp.float64 if a.dtype == jnp.float32 else a.dtype) for a in program.in_avals]
     try:
         with _float64():
-            jax.eval_shape(run, jax.ShapeDtypeStruct((), jnp.float64))
+            jax.eval_shape(run, *wide)
     except Exception:  # a primitive that takes no float64 (the error differs by primitive): no float64 GEMM
         return None
     return run
@@ -2403,13 +2404,45 @@ class FusedProduct:
         backward, backward_vouched, moves = None, (), ()
         if width == 1 and self.backward:
             back = tuple(functools.partial(_fused_backward, tail=fusion.tile_tail, form=self, digits=d) for d in counts)
-            backward = _FusedBackward(back, scalars, fallback, counts)
+            wide = _wide_fallback(op, pair, example, consts, rhs) if self.interpret else None
+            backward = _FusedBackward(back, scalars, fallback, wide, counts)
             backward_vouched = tuple(v.vouched for v in _verdicts(grid, fusion, dim, self, derivative=True))
             moves = tuple(
                 None if per_feature else _grid_moves(points, v.grid, d) for d, v in zip(counts, verdicts, strict=True)
             )
         given = _FusedOperands(tuple(packed), _fused_operand(rhs, columns), verdicts, points, backward_vouched, moves)
         return lambda rows: _fused_or_fallback((kernels, backward), fallback, given, rows, x2, rhs, *consts)
+
+
+def _wide_fallback(op, pair, example, consts, rhs):
+    """The fallback's vmap form on float64 values (points, operand, and the kernel's constants ``consts`` widened
+    once, so that the cotangents of their uses add up in float64): a pytree kernel whose leaves hold the constants
+    with its float32 leaves widened, else its program ``pair`` run on float64 values; None where the kernel does not
+    run so. Taken where the Pallas kernels are interpreted (off the chip, float64 native); on a TPU float64 is
+    emulated, and XLA:TPU keeps in float32 the digits XLA:CPU loses (_wide_cotangents)."""
+    kernel, transposed, plan, width = op.kernel, op.transposed, op.plan, rhs.shape[1]
+    widen = lambda a: a.astype(jnp.float64) if _is_array(a) and a.dtype == jnp.float32 else a  # noqa: E731
+    leaves, treedef = jax.tree_util.tree_flatten(kernel)
+    at = [next((i for i, c in enumerate(consts) if c is leaf), None) for leaf in leaves]
+    if set(at) - {None} == set(range(len(consts))):  # GPJax's, RBF, a Partial: each constant a leaf
+        made = lambda consts: treedef.unflatten(  # noqa: E731
+            [widen(leaf) if i is None else consts[i] for leaf, i in zip(leaves, at, strict=True)]
+        )
+    elif (run := _in_float64(jax.make_jaxpr(pair)(*example, *consts))) is not None:  # a closure: its program
+        made = lambda consts: lambda x, y: run(x, y, *consts)  # noqa: E731
+    else:
+        return None
+
+    def wide(rows, cols, rhs, *consts):
+        return _contract(_vmap_block(made([widen(c) for c in consts]), rows, cols, transposed), rhs, plan, width)
+
+    probes = [jax.ShapeDtypeStruct((1, a.shape[-1]), jnp.float64) for a in (*example, rhs)]
+    with _float64():
+        try:  # its values and its cotangents (a custom_jvp's rule may take no float64)
+            jax.eval_shape(lambda *a: jax.vjp(wide, *a)[1](jnp.ones((1, width), jnp.float64)), *probes, *consts)
+        except Exception:  # a kernel that takes no float64 values (the error differs by kernel)
+            return None
+    return wide
 
 
 def _fused_plan(plan, kernel, dim, dtype):
@@ -3057,11 +3090,13 @@ def _fused_value(*operands, forms, fallback, tree, count):
 
 class _FusedBackward(NamedTuple):
     """The fused backward of a block's ``K @ v``: ``back`` by digit count (_fused_backward), ``scalars`` (the
-    kernel's constants -> s^2 and the tail's constants), ``fallback`` and the digit counts."""
+    kernel's constants -> s^2 and the tail's constants), ``fallback``, its vmap form on float64 values (``wide``;
+    None on a TPU, or where the kernel does not run so) and the digit counts."""
 
     back: tuple
     scalars: object
     fallback: object
+    wide: object
     digit_counts: tuple
 
     def __call__(self, tree, primals, leaves, ct):
@@ -3110,13 +3145,29 @@ def _fused_cotangents(backward, given, ct, rows, cols, rhs, *consts):
 
     parts = zip(backward.back, backward.digit_counts, given.packed, given.verdicts, given.moves, strict=True)
     branches = [functools.partial(fused, *part) for part in parts]
-    by_fallback = functools.partial(_fallback_cotangents, backward.fallback, ct, rows, cols, rhs, *consts)
+    by_fallback = (
+        functools.partial(_wide_cotangents, backward.wide, ct, rows, cols, rhs, *consts)
+        if backward.wide
+        else functools.partial(_fallback_cotangents, backward.fallback, ct, rows, cols, rhs, *consts)
+    )
     return tuple(jax.lax.switch(_first_vouched(given.backward_vouched), [*branches, by_fallback]))
 
 
 def _fallback_cotangents(fallback, ct, *primals):
     """The cotangents of ``fallback`` (the unfused form) at ``primals`` for the output's cotangent ``ct``."""
     return jax.vjp(fallback, *primals)[1](ct)
+
+
+def _wide_cotangents(wide, ct, rows, cols, rhs, *consts):
+    """The cotangents of ``wide`` (_wide_fallback) at the primals for ``ct``: the points, the operand and ``ct`` in
+    float64, the results rounded back. In float32, for a kernel that scales the points first (x / s - y / s) at
+    points far from the origin, XLA:CPU's program of the unfused vjp in the fused backward's branch took the
+    lengthscales' cotangents far from the vmap form's (right outside the branch, or without XLA's algsimp)."""
+    primals = (rows, cols, rhs, *consts)
+    with _float64():
+        widened = [a.astype(jnp.float64) for a in (rows, cols, rhs)]
+        cts = jax.vjp(wide, *widened, *consts)[1](ct.astype(jnp.float64))
+    return tuple(c.astype(p.dtype) for c, p in zip(cts, primals, strict=True))
 
 
 @_fused_cotangents.defjvp

@@ -2861,6 +2861,43 @@ def test_fused_gradients_with_a_lengthscale_per_feature(name, monkeypatch):
 
 
 @FUSED_ON_CPU
+@pytest.mark.parametrize("name", ["gpjax-RBF", pytest.param("gpjax-Matern52", marks=SLOW)])
+def test_fused_backward_falls_back_in_float64(name, monkeypatch):
+    """Where the rule does not vouch for the backward (points spread over 1000 lengthscales per feature), its
+    fallback's cotangents are within the contract: the gradient of w . (K @ e_j) in the lengthscales and x1 for
+    each column j, near-duplicates among them. Off the chip they are taken in float64: in float32, compiled as
+    users' programs are, XLA:CPU's lengthscale cotangents were 1e8 times the vmap form's error off (GPJax scales
+    the points first); with the kernel's constants widened at each use rather than once, 5 times."""
+    plan_for(monkeypatch, "tpu")
+    dim, ls = 16, np.geomspace(0.1, 100, 16).astype(np.float32)
+    x1, x2 = accuracy_data(np.random.default_rng(dim), dim, ls)["spread 1000"]
+    x1, x2 = np.asarray(x1, np.float32), np.asarray(x2, np.float32)
+    make, family = FUSED_KERNELS[name][0], fused_family(name)
+    w = np.asarray(np.random.default_rng(1).normal(size=24), np.float32)
+
+    def loss(ls, x1, column, form):
+        k = (
+            lazy_kernel._vmap_block(make(ls), x1, x2)
+            if form == "vmap"
+            else LazyKernel(make(ls), x1, x2, batch_size=7, checkpoint=True)
+        )
+        return jnp.sum(w * (k @ column))
+
+    gradients = [jax.jit(jax.grad(functools.partial(loss, form=f), argnums=(0, 1))) for f in ("fused", "vmap")]
+    taken = branches_taken(monkeypatch)
+    for j in range(20):
+        column = np.zeros(20, np.float32)
+        column[j] = 1
+        with as_users_compile():
+            fused, vmapped = (g(jnp.asarray(ls), jnp.asarray(x1), jnp.asarray(column)) for g in gradients)
+        ct = np.outer(w, column).astype(np.float64)
+        truth = pullback_oracle(x1, x2, ls, 1.3, ct, np.abs(ct), family)
+        for got, vmap, key in zip(fused, vmapped, ("lengthscale", "x1"), strict=True):
+            within_contract(got, vmap, truth[key][0], np.max(truth[key][1]))
+    assert taken["backward"] == {2}, taken  # the fallback's
+
+
+@FUSED_ON_CPU
 @pytest.mark.parametrize("dim", [127, 128])  # the fused backward's last D, and the first of d^2 by the GEMM
 def test_fused_backward_with_a_step_per_feature_to_its_most_features(dim, monkeypatch):
     """A step per feature: the gradient's program holds the fused backward's kernels (one per digit count, beside
