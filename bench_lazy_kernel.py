@@ -17,7 +17,7 @@
     python bench_lazy_kernel.py --fused 32768    # off the CPU: fused products (one lengthscale) by D
     python bench_lazy_kernel.py --fused-gradient 16384  # off the CPU: their checkpointed gradients by D
         (either with --per-feature: a lengthscale per feature; --dims 16,64: those D; --only RBF,Matern: those
-        kernels; --first-use takes --dims and --only too; --fused takes --columns 16,128,512)
+        kernels; --first-use takes --dims and --only too; --fused and --fused-gradient take --columns 16,128,512)
     python bench_lazy_kernel.py ... --set fused_width_max=512   # any mode, with a field of lazy_kernel.SETTINGS set
     python bench_lazy_kernel.py                  # all ten at those sizes (not the accelerator tables)
 
@@ -60,6 +60,7 @@ import argparse
 import ast
 import concurrent.futures
 import functools
+import itertools
 import os
 import platform
 import time
@@ -719,21 +720,24 @@ def fused_table(n, gpjax, per_feature=False, only=None, dims=(3, 16, 32, 64, 128
         print(f"| {dim} | {' | '.join(cells)} |", flush=True)
 
 
-def fused_gradient_table(n, gpjax, per_feature=False, only=None, dims=(16, 32, 64, 128, 256)):
-    """Off the CPU: the checkpointed gradient of sum(sin(K @ v)) in (lengthscales, points, v), fused where the
-    fused layer takes it, against the same RBF with fused_product off and the GEMM RBF, by D."""
+def fused_gradient_table(n, gpjax, per_feature=False, only=None, dims=(16, 32, 64, 128, 256), columns=(1,)):
+    """Off the CPU: the checkpointed gradient of sum(sin(K @ X)) in (lengthscales, points, X), fused where the
+    fused layer takes it, against the same RBF with fused_product off and the GEMM RBF, by D and X's ``columns``
+    (1: a vector v)."""
     scale = "lengthscales 0.5 to 1.5 times sqrt(D / 3)" if per_feature else "lengthscale sqrt(D / 3)"
     print(f"\n## Fused gradients, {scale}, float32, M = N = {n}: ms, ratios to the GEMM's\n")
     kinds = fused_kinds(gpjax, only)
-    print(f"| D | {' | '.join(kinds)} |")
+    print(f"| D (columns) | {' | '.join(kinds)} |")
     print("|---" * (len(kinds) + 1) + "|")
-    for dim in dims:
+    for dim, width in itertools.product(dims, columns):
         rng = np.random.default_rng(0)
-        x, v = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((n, dim), n))
+        shapes = (n, dim), (n, width) if width > 1 else (n,)
+        x, v = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in shapes)
         makes, switches = zip(*kinds.values(), strict=True)
         functions = [traced_with(g, **s) for g, s in zip(gradients(makes), switches, strict=True)]
         seconds = median_times(functions, (fused_lengthscale(dim, per_feature), x, v))
-        print(f"| {dim} | {' | '.join(f'{t * 1e3:.1f} ({t / seconds[0]:.2f})' for t in seconds)} |", flush=True)
+        times = " | ".join(f"{t * 1e3:.1f} ({t / seconds[0]:.2f})" for t in seconds)
+        print(f"| {dim} ({width}) | {times} |", flush=True)
 
 
 def machine():
@@ -783,7 +787,7 @@ def main():
     parser.add_argument("--fused-gradient", type=int, metavar="N")
     parser.add_argument("--per-feature", action="store_true", help="--fused, --fused-gradient: ls per feature")
     parser.add_argument("--dims", help="--fused, --fused-gradient, --first-use: these D, comma-separated")
-    parser.add_argument("--columns", help="--fused: K @ X at these widths, comma-separated (default 16)")
+    parser.add_argument("--columns", help="--fused, --fused-gradient: X's widths, comma-separated (16; 1)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="lazy_kernel.SETTINGS")
     parser.add_argument(
         "--only", help="--fused, --fused-gradient, --first-use: kernels whose names contain one of these"
@@ -835,7 +839,7 @@ def main():
     if args.fused:
         fused_table(args.fused, gpjax, args.per_feature, only, **dims, **columns)
     if args.fused_gradient:
-        fused_gradient_table(args.fused_gradient, gpjax, args.per_feature, only, **dims)
+        fused_gradient_table(args.fused_gradient, gpjax, args.per_feature, only, **dims, **columns)
 
 
 if __name__ == "__main__":

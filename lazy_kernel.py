@@ -2302,10 +2302,10 @@ _LAYERS.append(_measured_blocks_plan)
 # backward scales the points' cotangents by s_d^2 after (_fused_cotangents).
 #
 # Derivatives: the product is a primitive of its own (_fused_primitives). Forward mode, and anything of second
-# order, is the unfused form's. Reverse mode of K @ v (one operand column) runs a second Pallas kernel per block
-# (_fused_backward_kernel; the cotangent of s^2 from the grid's d^2: _fused_cotangents) where the rule vouches with
-# lambda bounding |tail'' / tail'| too, up to D = fused_backward_features_max; elsewhere, and for wider operands, the
-# unfused form's vjp.
+# order, is the unfused form's. Reverse mode of K @ X (up to fused_backward_width_max operand columns) runs a second
+# Pallas kernel per block (_fused_backward_kernel; the cotangent of s^2 from the grid's d^2: _fused_cotangents) where
+# the rule vouches with lambda bounding |tail'' / tail'| too, up to D = fused_backward_features_max; elsewhere, and
+# for wider operands, the unfused form's vjp.
 
 try:  # bound once, as JAX's Pallas TPU kernels bind them
     from jax.experimental import pallas as pl
@@ -2334,6 +2334,7 @@ class Settings(Settings):
     fused_features_min: int = 16  # on a TPU, the fused product from here (bench --fused)
     fused_width_max: int = 512  # operand columns the fused product takes; a wider operand gets the unfused form
     fused_backward_features_max: int = 127  # the fused backward to here; above, the unfused vjp (by the GEMM's d^2)
+    fused_backward_width_max: int = 32  # operand columns the fused backward takes; wider, the unfused vjp
     fused_int8_features_min: int = 128  # digits in int8 from here (half bf16's matrix-unit time, more vector work)
     digit_counts: tuple[int, ...] = (3, 4)  # signed 8-bit digits per coordinate: the fewest the rule vouches for
     fused_tiles: FusedTiles = FusedTiles()
@@ -2350,13 +2351,14 @@ _TILE_RESHAPES = frozenset({"reshape", "broadcast_in_dim", "squeeze", "expand_di
 
 @dataclasses.dataclass(frozen=True)
 class FusedProduct:
-    """A block's product (and reverse mode of ``K @ v``) by the Pallas kernels, where the rule vouches for the
+    """A block's product (and its reverse mode) by the Pallas kernels, where the rule vouches for the
     data; elsewhere the plan's block, contracted."""
 
     tiles: FusedTiles
     packings: tuple  # (digits, "bf16" or "int8", its _Chunks) for each digit count, fewest first
-    backward: bool  # reverse mode of K @ v fused (D <= fused_backward_features_max), else the unfused form's vjp
+    backward: bool  # reverse mode fused (D <= fused_backward_features_max), else the unfused form's vjp
     width_max: int  # operand columns it takes
+    backward_width_max: int  # operand columns its reverse mode takes
     interpret: bool  # the Pallas kernels interpreted (interpret_pallas), else compiled for the chip
 
     @property
@@ -2402,7 +2404,7 @@ class FusedProduct:
             return zero_fusion.step * zero_fusion.step, zero_fusion.tile_consts
 
         backward, backward_vouched, moves = None, (), ()
-        if width == 1 and self.backward:
+        if width <= self.backward_width_max and self.backward:
             back = tuple(functools.partial(_fused_backward, tail=fusion.tile_tail, form=self, digits=d) for d in counts)
             wide = _wide_fallback(op, pair, example, consts, rhs) if self.interpret else None
             backward = _FusedBackward(back, scalars, fallback, wide, counts)
@@ -2454,7 +2456,8 @@ def _fused_plan(plan, kernel, dim, dtype):
     packings = tuple((digits, *_fused_chunks(dim, digits, settings)) for digits in settings.digit_counts)
     backward = dim <= settings.fused_backward_features_max
     tiles, interpret = settings.fused_tiles, settings.interpret_pallas
-    product = FusedProduct(tiles, packings, backward, settings.fused_width_max, interpret)
+    widths = settings.fused_width_max, settings.fused_backward_width_max
+    product = FusedProduct(tiles, packings, backward, *widths, interpret)
     return dataclasses.replace(plan, product=product)
 
 
@@ -2810,22 +2813,23 @@ def _fused_kernel(
 
 
 def _fused_backward_kernel(tail, chunks, variant, squares, per_feature, scalars_ref, *refs):
-    """One tile of a block's cotangents, for ``K @ v`` with cotangent ct: d^2 exactly as the product has it, K
-    and C tail'(d^2) (C = ct_i v_j) by the tail's own derivative; then per feature, the differences pair by pair
+    """One tile of a block's cotangents, for ``K @ X`` with cotangent ct: d^2 exactly as the product has it, K
+    and C tail'(d^2) (C = ct_i . X_j) by the tail's own derivative; then per feature, the differences pair by pair
     (no cancellation): row sums of A (x_i - y_j) into g1, column sums of -A (x_i - y_j) into g2, A = 2 s^2 C tail';
-    column sums of ct K into gv; and into gs the tile's sums of C dtail/dc for each constant c of the tail, after
+    ct^T K into gv; and into gs the tile's sums of C dtail/dc for each constant c of the tail, after
     three for the cotangent of s^2: with ``squares``, of C tail' |x - y|^2 (the differences' squares, as the vmap
     form has it); else of C tail' d^2, |C tail'| and |C tail'| d^2 on the grid (see _fused_cotangents). With
     ``per_feature`` (a step per feature, in the grid's points; s^2 is then 1), instead of the three, D: for each
     feature C tail' (x_d - y_d)^2, summed over the rows and folded into 128 lanes (no reduction across lanes)."""
-    rows_ref, row_norms_ref, cols_ref, col_norms_ref, x_ref, yt_ref, ct_ref, v_ref, *out_refs = refs
+    rows_ref, row_norms_ref, cols_ref, col_norms_ref, x_ref, yt_ref, ct_ref, xt_ref, *out_refs = refs
     g1_ref, g2_ref, gv_ref, gs_ref = out_refs
     at = _Scalars(chunks[-1].level + 1, len(tail.constvars))
     d2 = _tile_squared_distances(rows_ref, row_norms_ref, cols_ref, col_norms_ref, scalars_ref, chunks, variant)
     tail_consts = [scalars_ref[at.constant(i)] for i in range(at.constants)]
     on_tile = lambda z, *c: _on_tile(tail, list(c), z).astype(jnp.float32)  # noqa: E731
     k, pullback = jax.vjp(on_tile, d2, *tail_consts)
-    by_d2, *by_consts = pullback(ct_ref[...] * v_ref[...])
+    vector = xt_ref.shape[0] == 1  # K @ v: C = ct v^T by a broadcast, and ct^T K into gv below
+    by_d2, *by_consts = pullback(ct_ref[...] * xt_ref[...] if vector else _operand_columns(ct_ref, xt_ref, k, gv_ref))
     s2 = scalars_ref[at.s2]
     a = by_d2 * (2 * s2)  # 2 s^2 C tail'
 
@@ -2833,7 +2837,8 @@ def _fused_backward_kernel(tail, chunks, variant, squares, per_feature, scalars_
     def _():
         g1_ref[...] = jnp.zeros_like(g1_ref)
 
-    gv_ref[...] = jnp.sum(ct_ref[...] * k, 0, keepdims=True)[None]
+    if vector:
+        gv_ref[...] = jnp.sum(ct_ref[...] * k, 0, keepdims=True)[None]
     x = x_ref[...]
     x_features = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
     lane_features = jax.lax.broadcasted_iota(jnp.int32, (x.shape[1], 128), 0)
@@ -2869,6 +2874,20 @@ def _fused_backward_kernel(tail, chunks, variant, squares, per_feature, scalars_
         )
     totals = [*by_s2, *(jnp.sum(c) for c in by_consts)]
     gs_ref[...] = jnp.concatenate([jnp.broadcast_to(total, (1, 128)) for total in totals], 1)[None, None]
+
+
+def _operand_columns(ct_ref, xt_ref, k, gv_ref):
+    """C = ct X^T for the tile, [rows, k] times [k, cols], a column of the operand at a time on the vector unit (in
+    float32, as HIGHEST has it on the matrix unit); and into gv_ref, row by row, ct^T K."""
+    ct = ct_ref[...]
+    in_column = jax.lax.broadcasted_iota(jnp.int32, ct.shape, 1)
+
+    def one_column(column, weights):  # no index across lanes: ct[:, column] by a select, exactly
+        ct_column = jnp.sum(jnp.where(in_column == column, ct, 0.0), 1, keepdims=True)
+        gv_ref[0, pl.ds(column, 1), :] = jnp.sum(ct_column * k, 0, keepdims=True)
+        return weights + ct_column * xt_ref[pl.ds(column, 1), :]
+
+    return jax.lax.fori_loop(0, ct.shape[1], one_column, jnp.zeros_like(k), unroll=4)
 
 
 def _lane_sums(values):
@@ -2950,13 +2969,13 @@ def _fused_product(rows, cols, operand, verdict, tail, form, digits):
     return out[:, :width] + out[:, width : 2 * width] + out[:, 2 * width :]
 
 
-def _fused_backward(rows, cols, points, operand, ct, verdict, s2, tail, form, digits, squares=False, per_feature=False):
-    """The cotangents of one block's ``K @ v`` (v one column), by the Pallas kernel on ``digits`` digits: of the
-    rows [b, D] and of the columns' ``points`` [N', D] (padded as the packed columns ``cols`` are), of v, the
-    kernel's three sums for s^2 (``squares`` as _fused_backward_kernel's) and its sums of C dtail/dc
-    (C = ct_i v_j). ``operand`` and ``verdict`` as _fused_product's."""
+def _fused_backward(rows, cols, points, xt, ct, verdict, s2, tail, form, digits, squares=False, per_feature=False):
+    """The cotangents of one block's ``K @ X``, by the Pallas kernel on ``digits`` digits: of the rows [b, D] and
+    of the columns' ``points`` [N', D] (padded as the packed columns ``cols`` are), of X, the kernel's three sums
+    for s^2 (``squares`` as _fused_backward_kernel's) and its sums of C dtail/dc (C = ct_i . X_j). ``xt``: X^T
+    [k, N'], its columns padded with zeros; ``verdict`` as _fused_product's."""
     (cols, col_norms), (variant, chunks) = cols, form.packing(digits)
-    (b, dim), n = rows.shape, cols.shape[1]
+    (b, dim), n, width = rows.shape, cols.shape[1], xt.shape[0]
     tile_rows, padded = _tile(b, form.tiles.rows, 32)
     tile_cols = min(form.tiles.cols, n)
     tiles = (padded // tile_rows, n // tile_cols)
@@ -2973,8 +2992,8 @@ def _fused_backward(rows, cols, points, operand, ct, verdict, s2, tail, form, di
         (col_norms, _by_col((col_norms.shape[0], tile_cols))),
         (x, _by_row((tile_rows, dim))),
         (points.T, _by_col((dim, tile_cols))),
-        (ct, _by_row((tile_rows, 1))),
-        (operand[0], _by_col((1, tile_cols))),
+        (ct, _by_row((tile_rows, width))),
+        (xt, _by_col((width, tile_cols))),
     ]
     g1, g2, gv, gs = _tiled_call(
         functools.partial(_fused_backward_kernel, tail, chunks, variant, squares, per_feature),
@@ -2983,13 +3002,13 @@ def _fused_backward(rows, cols, points, operand, ct, verdict, s2, tail, form, di
         [
             _by_row((tile_rows, dim)),
             pl.BlockSpec((1, dim, tile_cols), lambda i, j: (i, 0, j)),
-            pl.BlockSpec((1, 1, tile_cols), lambda i, j: (i, 0, j)),
+            pl.BlockSpec((1, width, tile_cols), lambda i, j: (i, 0, j)),
             pl.BlockSpec((1, 1, 1, 128 * sums), lambda i, j: (i, j, 0, 0)),
         ],
         [
             jax.ShapeDtypeStruct((padded, dim), jnp.float32),
             jax.ShapeDtypeStruct((tiles[0], dim, n), jnp.float32),
-            jax.ShapeDtypeStruct((tiles[0], 1, n), jnp.float32),
+            jax.ShapeDtypeStruct((tiles[0], width, n), jnp.float32),
             jax.ShapeDtypeStruct((*tiles, 1, 128 * sums), jnp.float32),
         ],
         form,
@@ -2999,7 +3018,7 @@ def _fused_backward(rows, cols, points, operand, ct, verdict, s2, tail, form, di
     return (
         g1[:b],
         g2.sum(0).T,
-        gv.sum((0, 1))[:, None],
+        gv.sum(0).T,
         jnp.sum(by_tile[:, :by_s2], (0, 2)) if per_feature else totals[:by_s2],
         totals[by_s2:],
     )
@@ -3089,7 +3108,7 @@ def _fused_value(*operands, forms, fallback, tree, count):
 
 
 class _FusedBackward(NamedTuple):
-    """The fused backward of a block's ``K @ v``: ``back`` by digit count (_fused_backward), ``scalars`` (the
+    """The fused backward of a block's ``K @ X``: ``back`` by digit count (_fused_backward), ``scalars`` (the
     kernel's constants -> s^2 and the tail's constants), ``fallback``, its vmap form on float64 values (``wide``;
     None on a TPU, or where the kernel does not run so) and the digit counts."""
 
@@ -3113,20 +3132,23 @@ def _fused_cotangents(backward, given, ct, rows, cols, rhs, *consts):
     points' cotangents; the last is at most D h^2 a pair. Where that bound is over 4 eps of sum |C tail'| d^2 (a
     quarter of the contract's 16), as for pairs nearer than the grid's step, the differences' squares are summed
     instead, in a second pass. A step per feature takes the squares' sums per feature, in one pass."""
-    n = cols.shape[0]
+    n, columns = cols.shape[0], given.points.shape[0]
     (s2, tail_consts), by_scalars = jax.vjp(backward.scalars, *consts)
+    xt = given.operand[0]  # X^T, padded as the columns are: K @ v's is the product's operand
+    if rhs.shape[1] > 1:
+        xt = jnp.pad(rhs.astype(jnp.float32), ((0, columns - n), (0, 0))).T
     eps = float(jnp.finfo(jnp.float32).eps)
 
     def fused(back, digits, cols_packed, verdict, col_moves):
         if jnp.ndim(s2):  # a step per feature, in the grid's points: the points' cotangents scaled after
             one = jnp.ones((), s2.dtype)
             ct_rows, ct_cols, ct_rhs, by_s2, by_tail = back(
-                rows, cols_packed, given.points, given.operand, ct, verdict, one, per_feature=True
+                rows, cols_packed, given.points, xt, ct, verdict, one, per_feature=True
             )
             ct_consts = by_scalars((by_s2, list(by_tail[: len(tail_consts)])))
             return (ct_rows * s2, (ct_cols * s2)[:n], ct_rhs[:n], *ct_consts)
         ct_rows, ct_cols, ct_rhs, (on_grid, weights, weighted), by_tail = back(
-            rows, cols_packed, given.points, given.operand, ct, verdict, s2
+            rows, cols_packed, given.points, xt, ct, verdict, s2
         )
         row_moves = _grid_moves(rows, verdict.grid, digits)
         from_grid = (on_grid + jnp.sum(row_moves * ct_rows) + jnp.sum(col_moves * ct_cols)) / s2
@@ -3137,7 +3159,7 @@ def _fused_cotangents(backward, given, ct, rows, cols, rhs, *consts):
         squares = functools.partial(back, squares=True)
         by_s2 = jax.lax.cond(
             near,
-            lambda: squares(rows, cols_packed, given.points, given.operand, ct, verdict, s2)[3][0],
+            lambda: squares(rows, cols_packed, given.points, xt, ct, verdict, s2)[3][0],
             lambda: from_grid,
         )
         ct_consts = by_scalars((by_s2, list(by_tail[: len(tail_consts)])))

@@ -2646,10 +2646,10 @@ def pallas_calls(jaxpr):
 @FUSED_ON_CPU
 @pytest.mark.parametrize(
     "dim, width",
-    [pytest.param(16, 1, marks=SLOW), pytest.param(128, 4, marks=SLOW)],  # bf16 digits, and int8
+    [pytest.param(dim, width, marks=SLOW) for dim, width in ((16, 1), (16, 20), (128, 4))],  # bf16 digits; int8
 )
 def test_fused_kernel_is_one_mosaic_takes(dim, width, monkeypatch):
-    """What Mosaic compiles, the product's kernels and (one operand column) the gradient's too, is the same with x64
+    """What Mosaic compiles, the product's kernels and the gradient's, is the same with x64
     on and a matmul precision set (as this suite has them) as with neither: no 64-bit value (Mosaic has none),
     digits multiplied at DEFAULT (Mosaic refuses HIGHEST on bf16); and it lowers for a TPU here. Before, a TPU v5e
     failed to compile the product's under this suite's settings."""
@@ -2660,7 +2660,7 @@ def test_fused_kernel_is_one_mosaic_takes(dim, width, monkeypatch):
         product = lambda x, v: (op(x) @ v, jax.grad(lambda x: jnp.sum(op(x) @ v))(x))  # noqa: E731
         x, v = jnp.ones((512, dim), jnp.float32), jnp.ones((512, width), jnp.float32)
         calls = pallas_calls(jax.make_jaxpr(product)(x, v).jaxpr)
-        backward = width == 1 and dim <= DEFAULTS.fused_backward_features_max
+        backward = width <= DEFAULTS.fused_backward_width_max and dim <= DEFAULTS.fused_backward_features_max
         assert len(calls) == len(DEFAULTS.digit_counts) * (4 if backward else 2)  # product, gradient's, backward's 2
         maps = [str(m.index_map_jaxpr) for call in calls for m in call.params["grid_mapping"].block_mappings]
         exported = jax.export.export(jax.jit(lambda *a: product(*a)), platforms=["tpu"])  # not make_jaxpr's trace
@@ -2840,10 +2840,13 @@ def test_fused_gradients_as_accurate_as_the_vmap_form(name, dim, monkeypatch):
 
 
 @FUSED_ON_CPU
-@pytest.mark.parametrize("name", ["rbf-module", pytest.param("gpjax-Matern52", marks=SLOW)])
-def test_fused_gradients_with_a_lengthscale_per_feature(name, monkeypatch):
+@pytest.mark.parametrize(
+    "name, width", [("rbf-module", None), ("rbf-module", 20), pytest.param("gpjax-Matern52", None, marks=SLOW)]
+)
+def test_fused_gradients_with_a_lengthscale_per_feature(name, width, monkeypatch):
     """The test above with lengthscales per feature over three decades (D = 16): the gradient in each lengthscale
-    (the squares' sums per feature), the points and v by the fused backward, within the contract."""
+    (the squares' sums per feature), the points and v (a vector, or 20 columns) by the fused backward, within the
+    contract."""
     plan_for(monkeypatch, "tpu")
     dim, ls = 16, np.geomspace(0.1, 100, 16).astype(np.float32)
     rng = np.random.default_rng(dim)
@@ -2856,7 +2859,7 @@ def test_fused_gradients_with_a_lengthscale_per_feature(name, monkeypatch):
         "spread 8": base * 8,
     }
     taken = branches_taken(monkeypatch)
-    assert_fused_gradients_as_accurate(name, data, ls, rng)
+    assert_fused_gradients_as_accurate(name, data, ls, rng, width=width)
     assert taken["backward"] == {0, 1}, taken  # 3 digits, and 4 (spread 8)
 
 
@@ -2917,11 +2920,12 @@ def fused_family(name):
     return {"gpjax-Matern32": "matern32", "gpjax-Matern52": "matern52"}.get(name, "rbf")
 
 
-def assert_fused_gradients_as_accurate(name, data, ls, rng, batch_size=64):
+def assert_fused_gradients_as_accurate(name, data, ls, rng, batch_size=64, width=None, backward=True):
     """The checkpointed gradient of sum(sin(K(x1, x2) @ v)) for the kernel ``name`` of FUSED_KERNELS at lengthscale
     ``ls``, in the lengthscale, x1, x2 and v, on each data set of ``data`` (name -> points [n, D], one shape: x1 all
-    of them, x2 all but the first 40), v drawn from ``rng``: against NumPy float64, within 4x the vmap form's error
-    plus 16 eps of the scale; the backward's kernels are in the program."""
+    of them, x2 all but the first 40), v drawn from ``rng`` (a vector, or ``width`` columns): against NumPy float64,
+    within 4x the vmap form's error plus 16 eps of the scale; the backward's kernels are in the program (with
+    ``backward`` False, the product's alone: the unfused form's vjp)."""
     make = FUSED_KERNELS[name][0]
 
     def loss(ls, x1, x2, v, form):
@@ -2937,9 +2941,9 @@ def assert_fused_gradients_as_accurate(name, data, ls, rng, batch_size=64):
     for x in data.values():
         x1 = np.asarray(x, np.float32)
         x2 = x1[40:]
-        v = np.asarray(rng.uniform(-0.25, 1, size=len(x2)), np.float32)
+        v = np.asarray(rng.uniform(-0.25, 1, size=(len(x2), width) if width else len(x2)), np.float32)
         args = (jnp.asarray(ls, jnp.float32), jnp.asarray(x1), jnp.asarray(x2), jnp.asarray(v))
-        passes = 2 if np.ndim(ls) else 3  # product, backward, and for one step its second pass
+        passes = (2 if np.ndim(ls) else 3) if backward else 1  # product, backward, and for one step its second pass
         assert len(pallas_calls(jax.make_jaxpr(gradients[0])(*args).jaxpr)) == passes * len(DEFAULTS.digit_counts)
         with as_users_compile():
             fused, vmapped = (gradient(*args) for gradient in compiled)
@@ -2954,9 +2958,9 @@ def assert_gradients_within_contract(fused, vmapped, x1, x2, v, ls, family, vari
     float64 (pullback_oracle): those ``checked`` within 4x the vmap form's error plus 16 eps of the largest sum of
     a component's terms' magnitudes."""
     k = pullback_oracle(x1, x2, ls, variance, 0, 0, family)["K"][0]
-    ct, ct_terms, operands = sin_loss_cotangent(k, right=np.asarray(v, np.float64)[:, None])
+    ct, ct_terms, operands = sin_loss_cotangent(k, right=np.asarray(v, np.float64).reshape(len(x2), -1))
     truth = pullback_oracle(x1, x2, ls, variance, ct, ct_terms, family)
-    truth["v"] = tuple(a[:, 0] for a in operands["right"])
+    truth["v"] = tuple(a.reshape(np.shape(v)) for a in operands["right"])
     for got, vmap, name in zip(fused, vmapped, GRADIENTS, strict=True):
         if name in checked:
             within_contract(got, vmap, truth[name][0], np.max(truth[name][1]))
@@ -2981,8 +2985,7 @@ def test_fused_derivatives_match_the_vmap_form(monkeypatch):
     """The fused primitive's rules (a TPU faked, Pallas interpreted), under jit, within the contract against the
     same derivative in float64 (the vmap form's, x64 on; NumPy's pullback_oracle for first derivatives, whose
     scale is the sum of the terms' magnitudes): forward mode, the hessian (reverse and forward over forward), the
-    gradient of a jvp, vmap of the gradient, grad of grad, w @ K's gradient and a 3-column operand's (the unfused vjp
-    behind the fused product)."""
+    gradient of a jvp, vmap of the gradient, grad of grad, w @ K's gradient and a 3-column operand's."""
     plan_for(monkeypatch, "tpu")
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.normal(size=(96, 16)), jnp.float32)
@@ -3099,9 +3102,9 @@ def grid_shapes(f, *args):
 @FUSED_ON_CPU
 @pytest.mark.parametrize("width", [pytest.param(w, marks=SLOW) for w in (1, 5)])
 def test_fused_forms_over_several_tiles(width, monkeypatch):
-    """With tiles of 32 x 128 pairs, a block of 64 rows against 300 columns is 2 x 3 tiles: K @ X, X @ K and (one
-    column) the fused backward's gradient in the lengthscale, x1, x2 and v, against NumPy float64 within the
-    contract. Each tile's product is added into its rows' sums; the backward's column sums add every row tile."""
+    """With tiles of 32 x 128 pairs, a block of 64 rows against 300 columns is 2 x 3 tiles: K @ X, X @ K and the
+    fused backward's gradient in the lengthscale, x1, x2 and X, against NumPy float64 within the contract. Each
+    tile's product is added into its rows' sums; the backward's column sums add every row tile."""
     plan_for(monkeypatch, "tpu")
     use_settings(monkeypatch, fused_tiles=lazy_kernel.FusedTiles(rows=32, cols=128))
     rng = np.random.default_rng(width)
@@ -3113,19 +3116,19 @@ def test_fused_forms_over_several_tiles(width, monkeypatch):
     product_grids = grid_shapes(lambda r: op @ r, jnp.ones((300, width), jnp.float32))
     assert product_grids and all(grid == (2, 3) for grid in product_grids), product_grids
     fused_products_within_contract(make, "rbf", ls, x1, x2, width, rng)
-    if width == 1:
-        gradient = jax.grad(
-            lambda ls, x1, x2, v: jnp.sum(jnp.sin(LazyKernel(make(ls), x1, x2, batch_size=64, checkpoint=True) @ v)),
-            argnums=(0, 1, 2, 3),
-        )
-        vmapped = jax.grad(
-            lambda ls, x1, x2, v: jnp.sum(jnp.sin(lazy_kernel._vmap_block(make(ls), x1, x2) @ v)), argnums=(0, 1, 2, 3)
-        )
-        v = np.asarray(rng.uniform(-0.25, 1, size=300), np.float32)
-        args = (jnp.float32(ls), jnp.asarray(x1), jnp.asarray(x2), jnp.asarray(v))
-        assert all(grid == (2, 3) for grid in grid_shapes(gradient, *args))
-        got, want = jax.jit(gradient)(*args), jax.jit(vmapped)(*args)
-        assert_gradients_within_contract(got, want, x1, x2, v, ls, "rbf")
+    gradient = jax.grad(
+        lambda ls, x1, x2, v: jnp.sum(jnp.sin(LazyKernel(make(ls), x1, x2, batch_size=64, checkpoint=True) @ v)),
+        argnums=(0, 1, 2, 3),
+    )
+    vmapped = jax.grad(
+        lambda ls, x1, x2, v: jnp.sum(jnp.sin(lazy_kernel._vmap_block(make(ls), x1, x2) @ v)), argnums=(0, 1, 2, 3)
+    )
+    v = np.asarray(rng.uniform(-0.25, 1, size=(300, width) if width > 1 else 300), np.float32)
+    args = (jnp.float32(ls), jnp.asarray(x1), jnp.asarray(x2), jnp.asarray(v))
+    grids = grid_shapes(gradient, *args)
+    assert len(grids) == 3 * len(DEFAULTS.digit_counts) and all(grid == (2, 3) for grid in grids), grids
+    got, want = jax.jit(gradient)(*args), jax.jit(vmapped)(*args)
+    assert_gradients_within_contract(got, want, x1, x2, v, ls, "rbf")
 
 
 @FUSED_ON_CPU
@@ -3145,6 +3148,22 @@ def test_fused_product_takes_operands_to_its_widest(monkeypatch):
         for side, operand in ((lambda r: op @ r, right), (lambda w: w @ op, left)):
             assert bool(pallas_calls(jax.make_jaxpr(side)(operand).jaxpr)) == fused
         fused_products_within_contract(make, "rbf", ls, x1, x2, width, rng, programs=programs)
+
+
+@SLOW
+@FUSED_ON_CPU
+def test_fused_backward_takes_operands_to_its_widest(monkeypatch):
+    """The gradient of sum(sin(K @ X)) runs the fused backward's kernels up to fused_backward_width_max columns
+    of X; a wider operand's runs the unfused form's vjp behind the fused product: both within the contract."""
+    plan_for(monkeypatch, "tpu")
+    use_settings(monkeypatch, fused_backward_width_max=3)
+    rng = np.random.default_rng(3)
+    data = {"normal": rng.normal(size=(110, 16))}
+    taken = branches_taken(monkeypatch)
+    for width, backward in ((3, True), (4, False)):
+        taken.clear()
+        assert_fused_gradients_as_accurate("rbf-module", data, 2.3, rng, width=width, backward=backward)
+        assert taken["product"] == {0} and taken.get("backward") == ({0} if backward else None), taken
 
 
 def rule_reach(sensitivity, digits, ls, dim, steps):
@@ -3322,8 +3341,8 @@ def test_fused_products_as_accurate_as_the_vmap_form(name, dim, monkeypatch, dev
 )
 def test_fused_products_with_a_lengthscale_per_feature(name, monkeypatch, device):
     """Lengthscales per feature over three decades, fused on a TPU (faked): each feature's step is taken into the
-    grid's points (their product, exact in float64). The oracle test's values and gradients (the unfused form's
-    vjp) within the contract; the data near the lengthscales fused, the farthest sent to the unfused form."""
+    grid's points (their product, exact in float64). The oracle test's values and gradients (20 operand columns)
+    within the contract; the data near the lengthscales fused, the farthest sent to the unfused form."""
     if device.platform != "tpu":
         plan_for(monkeypatch, "tpu")
     dim, ls = 16, np.geomspace(0.1, 100, 16)
@@ -3333,7 +3352,8 @@ def test_fused_products_with_a_lengthscale_per_feature(name, monkeypatch, device
     rng = np.random.default_rng(dim)
     data = accuracy_data(rng, dim, ls)
     assert_as_accurate_as_the_vmap_form(name, data, ls, jnp.float32, True, rng.normal(size=(24, 20)))
-    assert taken["product"] >= {0, 2}, taken  # 3 digits, and the unfused form
+    fused = {0, 1}  # 3 digits, or 4 (a TPU's rule took 4 for Matern52's backward); 2: the unfused form
+    assert taken["product"] >= {0, 2} and taken["backward"] & fused and 2 in taken["backward"], taken
 
 
 # -- the sanity check -----------------------------------------------------------
