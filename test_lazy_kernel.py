@@ -3596,35 +3596,42 @@ class RBFByVmap(RBF):
         return lazy_kernel._vmap_block(self, x1, x2) * 1
 
 
-def linear_loss_oracle(x1, x2, ls, variance, v, w, wide):
-    """NumPy float64, without [M, N, D] arrays: K @ v, K @ wide, w @ K and the gradient of w.(K @ v) in (ls, x1, x2,
-    v) for RBF(ls, variance), ls one or per feature, each with its scale (the largest sum of its terms'
-    magnitudes)."""
-    x1, x2, v, w, wide, ls = (np.asarray(a, np.float64) for a in (x1, x2, v, w, wide, ls))
+def linear_loss_oracle(x1, x2, ls, variance, v, w, wide, wide_ct):
+    """NumPy float64, without [M, N, D] arrays: K @ v, K @ wide, w @ K, the gradient of w.(K @ v) in (ls, x1, x2,
+    v) and that of sum(wide_ct * (K @ wide)) in (ls, x1, x2, wide), for RBF(ls, variance), ls one or per feature,
+    each with its scale (the largest sum of its terms' magnitudes)."""
+    x1, x2, v, w, wide, wide_ct, ls = (np.asarray(a, np.float64) for a in (x1, x2, v, w, wide, wide_ct, ls))
     middle = x1.mean(0)
     a, b = (x1 - middle) / ls, (x2 - middle) / ls  # d^2 by a float64 GEMM on centred, scaled points
     d2 = np.maximum((a * a).sum(1)[:, None] + (b * b).sum(1)[None] - 2 * a @ b.T, 0)
     k = variance * np.exp(-0.5 * d2)
-    c, c_abs = np.outer(w, v) * k, np.outer(np.abs(w), np.abs(v)) * k  # K's cotangent times dK/dz's -2 factor
 
     def by_ls(c):  # sum_ij c_ij (a_i - b_j)^2 / ls, per feature (summed for one lengthscale)
         per_feature = c.sum(1) @ (a * a) + c.sum(0) @ (b * b) - 2 * np.sum(a * (c @ b), 0)
         return (per_feature if ls.ndim else per_feature.sum()) / ls
 
+    def pullback(ct, operand):  # the cotangent ct of K @ operand (a vector or columns), in (ls, x1, x2, operand)
+        shape, ct, operand = operand.shape, ct.reshape(len(ct), -1), operand.reshape(len(operand), -1)
+        c, c_abs = (ct @ operand.T) * k, (np.abs(ct) @ np.abs(operand).T) * k  # K's cotangent, dK/dz's -2 out
+        return {
+            "lengthscale": (by_ls(c), np.max(by_ls(c_abs))),
+            "x1": (
+                (c @ b - c.sum(1)[:, None] * a) / ls,
+                np.max((c_abs @ np.abs(b) + c_abs.sum(1)[:, None] * np.abs(a)) / ls),
+            ),
+            "x2": (
+                (c.T @ a - c.sum(0)[:, None] * b) / ls,
+                np.max((c_abs.T @ np.abs(a) + c_abs.sum(0)[:, None] * np.abs(b)) / ls),
+            ),
+            "operand": ((k.T @ ct).reshape(shape), np.max(k.T @ np.abs(ct))),
+        }
+
     return {
         "K @ v": (k @ v, np.max(k @ np.abs(v))),
         "K @ X": (k @ wide, np.max(k @ np.abs(wide))),
         "w @ K": (w @ k, np.max(np.abs(w) @ k)),
-        "lengthscale": (by_ls(c), np.max(by_ls(c_abs))),
-        "x1": (
-            (c @ b - c.sum(1)[:, None] * a) / ls,
-            np.max((c_abs @ np.abs(b) + c_abs.sum(1)[:, None] * np.abs(a)) / ls),
-        ),
-        "x2": (
-            (c.T @ a - c.sum(0)[:, None] * b) / ls,
-            np.max((c_abs.T @ np.abs(a) + c_abs.sum(0)[:, None] * np.abs(b)) / ls),
-        ),
-        "v": (k.T @ w, np.max(np.abs(w) @ k)),
+        **{f"{name} (K @ v)": truth for name, truth in pullback(w, v).items()},
+        **{f"{name} (K @ X)": truth for name, truth in pullback(wide_ct, wide).items()},
     }
 
 
@@ -3632,17 +3639,19 @@ def linear_loss_oracle(x1, x2, ls, variance, v, w, wide):
 @pytest.mark.parametrize(
     "dim, digits, offset, n, per_feature, width",
     [
-        (64, 4, 1000.0, 16384, False, 128),
+        (64, 4, 1000.0, 16384, False, 32),  # the fused backward's widest operand
         (128, 3, 0.0, 16384, False, 512),
         (256, 4, 1000.0, 8192, False, 16),
         (64, 3, 0.0, 16384, True, 300),
         (96, 3, 1000.0, 16384, True, 128),  # past the features written out: on blocks summed at once
+        (16, 3, 1000.0, 16384, True, 20),
     ],
 )
 def test_fused_form_at_scale(dim, digits, offset, n, per_feature, width, device, monkeypatch):
     """On the chip, full size, x1 != x2: the fused form of ``digits`` digits (bf16 digits to D = 64, int8 from 128),
-    K @ v, K @ X (``width`` columns), w @ K and the checkpointed gradient of w.(K @ v) in the lengthscale, x1, x2
-    and v against NumPy float64, within 4x the vmap form's error plus 16 eps of the scale. Points spread about the
+    K @ v, K @ X (``width`` columns), w @ K and the checkpointed gradients of w.(K @ v) and sum(W * (K @ X)) in the
+    lengthscale, x1, x2 and the operand (by the fused backward to fused_backward_width_max columns) against NumPy
+    float64, within 4x the vmap form's error plus 16 eps of the scale. Points spread about the
     lengthscale, a few 10 lengthscales out where 4 digits are wanted (the grid spans the farthest), ``offset``
     lengthscales from the origin; ``per_feature``, lengthscales over three decades, the points spread as much about
     each. Blocks of 2048 rows: test_budget_bounds_the_peak_at_scale measures blocks at full size."""
@@ -3660,20 +3669,20 @@ def test_fused_form_at_scale(dim, digits, offset, n, per_feature, width, device,
         np.asarray(rng.uniform(-0.25, 1, size=len(x2)), np.float32),
         np.asarray(rng.uniform(-0.25, 1, size=n), np.float32),
     )
-    wide = np.asarray(rng.uniform(-0.25, 1, size=(len(x2), width)), np.float32)
+    wide, wide_ct = (np.asarray(rng.uniform(-0.25, 1, size=(size, width)), np.float32) for size in (len(x2), n))
 
-    def results(make, ls, x1, x2, v, w, wide):
+    def results(make, ls, x1, x2, v, w, wide, wide_ct):
         op = lambda ls, x1, x2: LazyKernel(make(ls, variance), x1, x2, batch_size=2048, checkpoint=True)  # noqa: E731
-        loss = lambda ls, x1, x2, v: jnp.vdot(w, op(ls, x1, x2) @ v)  # noqa: E731
-        k = op(ls, x1, x2)
-        return (k @ v, k @ wide, w @ k, *jax.grad(loss, argnums=(0, 1, 2, 3))(ls, x1, x2, v))
+        loss = lambda ls, x1, x2, v, ct: jnp.vdot(ct, op(ls, x1, x2) @ v)  # noqa: E731
+        k, by = op(ls, x1, x2), jax.grad(loss, argnums=(0, 1, 2, 3))
+        return (k @ v, k @ wide, w @ k, *by(ls, x1, x2, v, w), *by(ls, x1, x2, wide, wide_ct))
 
-    args = [jnp.asarray(a) for a in (ls, x1, x2, v, w, wide)]
+    args = [jnp.asarray(a) for a in (ls, x1, x2, v, w, wide, wide_ct)]
     fused = jax.jit(functools.partial(results, RBF))(*args)
     vmapped = jax.jit(functools.partial(results, RBFByVmap))(*args)
     assert taken["product"] == {digits - 3}, taken
     assert dim > DEFAULTS.fused_backward_features_max or taken["backward"] == {digits - 3}, taken
-    truth = linear_loss_oracle(x1, x2, ls, variance, v, w, wide)
+    truth = linear_loss_oracle(x1, x2, ls, variance, v, w, wide, wide_ct)
     for got, vmap, (want, scale) in zip(fused, vmapped, truth.values(), strict=True):
         within_contract(got, vmap, want, scale)
 
