@@ -2841,7 +2841,12 @@ def test_fused_gradients_as_accurate_as_the_vmap_form(name, dim, monkeypatch):
 
 @FUSED_ON_CPU
 @pytest.mark.parametrize(
-    "name, width", [("rbf-module", None), ("rbf-module", 20), pytest.param("gpjax-Matern52", None, marks=SLOW)]
+    "name, width",
+    [
+        pytest.param("rbf-module", None, marks=SLOW),
+        ("rbf-module", 20),
+        pytest.param("gpjax-Matern52", None, marks=SLOW),
+    ],
 )
 def test_fused_gradients_with_a_lengthscale_per_feature(name, width, monkeypatch):
     """The test above with lengthscales per feature over three decades (D = 16): the gradient in each lengthscale
