@@ -2762,11 +2762,15 @@ def _padded(points, size):
     return jnp.concatenate([points, extra]) if size > points.shape[0] else points
 
 
+def _padded_operand(rhs, columns):
+    """The operand [N, k] in float32, its rows padded with zeros to ``columns`` (as the packed columns are)."""
+    return jnp.pad(rhs.astype(jnp.float32), ((0, columns - rhs.shape[0]), (0, 0)))
+
+
 def _fused_operand(rhs, columns):
-    """The operand [N, k] as the kernel reads it, its rows padded with zeros to ``columns``: for k = 1, a row
-    [1, columns]; else three bf16 blocks [X1 | X2 | X3], [X1 | X2], [X1] of its exact pieces (the six products
-    HIGHEST takes, no more)."""
-    rhs = jnp.pad(rhs.astype(jnp.float32), ((0, columns - rhs.shape[0]), (0, 0)))
+    """The operand [N, k] as the kernel reads it (_padded_operand): for k = 1, a row [1, columns]; else three bf16
+    blocks [X1 | X2 | X3], [X1 | X2], [X1] of its exact pieces (the six products HIGHEST takes, no more)."""
+    rhs = _padded_operand(rhs, columns)
     if rhs.shape[1] == 1:
         return (rhs.T,)
     pieces = _bf16_pieces(rhs)
@@ -3132,11 +3136,10 @@ def _fused_cotangents(backward, given, ct, rows, cols, rhs, *consts):
     points' cotangents; the last is at most D h^2 a pair. Where that bound is over 4 eps of sum |C tail'| d^2 (a
     quarter of the contract's 16), as for pairs nearer than the grid's step, the differences' squares are summed
     instead, in a second pass. A step per feature takes the squares' sums per feature, in one pass."""
-    n, columns = cols.shape[0], given.points.shape[0]
+    n = cols.shape[0]
     (s2, tail_consts), by_scalars = jax.vjp(backward.scalars, *consts)
-    xt = given.operand[0]  # X^T, padded as the columns are: K @ v's is the product's operand
-    if rhs.shape[1] > 1:
-        xt = jnp.pad(rhs.astype(jnp.float32), ((0, columns - n), (0, 0))).T
+    # X^T padded as the columns are: K @ v's is the product's operand as it is
+    xt = given.operand[0] if rhs.shape[1] == 1 else _padded_operand(rhs, given.points.shape[0]).T
     eps = float(jnp.finfo(jnp.float32).eps)
 
     def fused(back, digits, cols_packed, verdict, col_moves):
